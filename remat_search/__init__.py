@@ -1,0 +1,49 @@
+"""remat-search: find the fastest gradient-checkpointing plan that fits a memory budget.
+
+The public API::
+
+    spec = remat_search.load_spec("search_spaces/demo.yaml")
+    report = remat_search.run(spec)                       # search (resumes if interrupted)
+    front = remat_search.pareto_front("demo-transformer-cpu")
+    best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
+    step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
+"""
+
+from remat_search.errors import (
+    NoFeasiblePlan,
+    RematSearchError,
+    SpecError,
+    StorageError,
+    WorkloadError,
+)
+from remat_search.measurement import Measurement, MemoryBreakdown
+from remat_search.plan import LayerPolicy, RematPlan, checkpoint_policy
+from remat_search.report import StudyReport, best_plan, list_studies, load_report, pareto_front
+from remat_search.search import run
+from remat_search.spec import SearchSpec, load_spec
+from remat_search.store import TrialResult
+from remat_search.workload import Workload, build_workload
+
+__all__ = [
+    "LayerPolicy",
+    "Measurement",
+    "MemoryBreakdown",
+    "NoFeasiblePlan",
+    "RematPlan",
+    "RematSearchError",
+    "SearchSpec",
+    "SpecError",
+    "StorageError",
+    "StudyReport",
+    "TrialResult",
+    "Workload",
+    "WorkloadError",
+    "best_plan",
+    "build_workload",
+    "checkpoint_policy",
+    "list_studies",
+    "load_report",
+    "load_spec",
+    "pareto_front",
+    "run",
+]

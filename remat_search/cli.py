@@ -1,0 +1,216 @@
+"""The ``remat-search`` command: a thin face over the library.
+
+Each command checks its flags, calls one library function and prints through
+``output.py``. Errors are mapped to exit codes in one place (:data:`EXIT_CODES`): bad input
+exits 2 with one line naming the field, "nothing fits" exits 1. Set ``REMAT_SEARCH_DEBUG=1``
+to see tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from remat_search import output
+from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError, WorkloadError
+from remat_search.spec import STORAGE_ENV, check_study_name
+from remat_search.units import format_bytes, format_seconds, parse_bytes
+
+EXIT_CODES: dict[type[RematSearchError], int] = {
+    SpecError: 2,
+    StorageError: 2,
+    WorkloadError: 2,
+    NoFeasiblePlan: 1,
+}
+
+app = typer.Typer(
+    name="remat-search",
+    help=(
+        "Find the fastest gradient-checkpointing (remat) plan for a JAX training step that fits "
+        "a memory budget: compile candidates, read their peak memory from the compiler, time "
+        "those that fit, and keep everything in a resumable optuna study.\n\n"
+        "Start with: remat-search run search_spaces/demo.yaml"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+StorageOption = Annotated[
+    str | None,
+    typer.Option("--storage", envvar=STORAGE_ENV, show_default=False,
+                 help="Database URL of the studies [default: the spec's, else sqlite:///storage/studies.db]."),
+]
+StudyOption = Annotated[str, typer.Option("--study", "-s", help="Study name (the spec's `study`).")]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _handle_errors(command: F) -> F:
+    """Print a :class:`RematSearchError` as one line and exit with its code."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except RematSearchError as e:
+            if os.environ.get("REMAT_SEARCH_DEBUG"):
+                raise
+            output.errors.print(f"[red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_CODES.get(type(e), 2)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _budget(value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise SpecError(f"--budget: {e}") from None
+
+
+def _study(value: str) -> str:
+    try:
+        return check_study_name(value)
+    except ValueError as e:
+        raise SpecError(f"--study: {e}") from None
+
+
+@app.command()
+@_handle_errors
+def run(
+    spec: Annotated[Path, typer.Argument(help="Search spec (YAML), e.g. search_spaces/demo.yaml.")],
+    storage: StorageOption = None,
+) -> None:
+    """Search the spec's space; running it again resumes an interrupted study.
+
+    Every candidate is compiled; one over the budget is recorded and never run; one that
+    fits is run, its gradients checked against no remat, and its step timed.
+    """
+    from remat_search.search import run as run_search
+    from remat_search.spec import load_spec
+
+    loaded = load_spec(spec, storage=storage)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=output.console, transient=False,
+    ) as progress:
+        task = progress.add_task("starting the worker…", total=loaded.trials)
+        best: list[float] = []
+
+        def on_progress(done: int, total: int, last: Any, device: Any) -> None:
+            if last is None:
+                progress.console.print(
+                    f"study [bold]{loaded.study}[/]: {done}/{total} trials done; compiling for "
+                    f"{device.platform} ({device.device_kind}), budget {format_bytes(loaded.budget)}"
+                )
+            elif last.status == "failed":
+                progress.console.print(f"[red]trial {last.number} failed:[/] {last.error.splitlines()[0]}")
+            if last is not None and last.status == "measured" and last.measurement.median_seconds:
+                best.append(last.measurement.median_seconds)
+            so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
+            progress.update(task, completed=done, description=f"searching · {so_far}")
+
+        report = run_search(loaded, on_progress=on_progress)
+    output.console.print(output.front_table(report))
+    output.console.print(
+        f"{report.count('measured')} timed, {report.count('over_budget')} over budget (never run), "
+        f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
+        f"--budget {format_bytes(report.budget).replace(' ', '')} --json > plan.json"
+    )
+
+
+@app.command()
+@_handle_errors
+def pareto(
+    study: StudyOption,
+    storage: StorageOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the front as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Also write a PNG of time vs memory here.")] = None,
+) -> None:
+    """Show the Pareto front: no other plan is both faster and smaller."""
+    from remat_search.report import load_report, plot_report
+
+    report = load_report(_study(study), storage)
+    if as_json:
+        print(json.dumps([t.model_dump(mode="json") for t in report.front], indent=2))
+    else:
+        output.console.print(output.front_table(report))
+    if plot is not None:
+        output.errors.print(f"wrote {plot_report(report, plot)}")
+
+
+@app.command()
+@_handle_errors
+def best(
+    study: StudyOption,
+    budget: Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")],
+    storage: StorageOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
+) -> None:
+    """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
+    from remat_search.report import load_report
+
+    limit = _budget(budget)
+    report = load_report(_study(study), storage)
+    found = report.best(limit)
+    untimed = report.untimed_within(limit)
+    if as_json:
+        assert found.plan is not None
+        print(found.plan.to_json())
+    else:
+        output.console.print(output.trials_table(f"Best plan of {report.study!r} for {format_bytes(limit)}", [found], budget=limit))
+        output.console.print(output.describe_trial(found))
+    if untimed:
+        output.errors.print(
+            f"note: {len(untimed)} plan(s) fit {format_bytes(limit)} but were never timed, being over the "
+            f"study's budget of {format_bytes(report.budget)}; search with --budget this size to time them"
+        )
+
+
+@app.command()
+@_handle_errors
+def studies(storage: StorageOption = None) -> None:
+    """List the studies in the storage."""
+    from remat_search.report import list_studies
+
+    output.console.print(output.studies_table(list_studies(storage)))
+
+
+@app.command()
+@_handle_errors
+def show(
+    study: StudyOption,
+    trial: Annotated[int | None, typer.Option(help="Show this trial in full.")] = None,
+    storage: StorageOption = None,
+) -> None:
+    """Every trial of a study, or one trial in full."""
+    from remat_search.report import load_report
+
+    report = load_report(_study(study), storage)
+    if trial is None:
+        output.console.print(output.trials_table(f"Trials of {report.study!r}", report.trials, budget=report.budget))
+        return
+    matches = [t for t in report.trials if t.number == trial]
+    if not matches:
+        raise SpecError(f"--trial: study {report.study!r} has no trial {trial} (it has 0..{len(report.trials) - 1})")
+    output.console.print(output.describe_trial(matches[0]), highlight=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

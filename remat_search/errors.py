@@ -1,0 +1,28 @@
+"""The errors remat-search raises, in one place.
+
+Every error a user can cause is a :class:`RematSearchError`. Its message names the field
+or flag, repeats the bad value and says what was expected, on one line, so the CLI can
+print it as it is. The CLI maps each class to an exit code in one table (``cli.py``).
+"""
+
+from __future__ import annotations
+
+
+class RematSearchError(Exception):
+    """Base class of every error remat-search raises on purpose."""
+
+
+class SpecError(RematSearchError):
+    """A search spec, a plan or a command-line value is malformed (exit code 2)."""
+
+
+class StorageError(RematSearchError):
+    """The storage URL is malformed or unreachable, or a study is missing (exit code 2)."""
+
+
+class WorkloadError(RematSearchError):
+    """A workload factory does not import, fails, or returns something that is no workload."""
+
+
+class NoFeasiblePlan(RematSearchError):
+    """No measured plan fits the budget asked for (exit code 1)."""

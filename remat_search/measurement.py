@@ -1,0 +1,187 @@
+"""Measuring one plan: compile, read memory from the compiler, and only if it fits, run it.
+
+:func:`measure` runs inside a worker process (see ``runner.py``). It lowers and compiles
+the workload's step under the plan, takes the peak from ``Compiled.memory_analysis()``,
+and returns at once when the peak exceeds the budget: a plan that does not fit is never
+executed. A plan that fits has its gradients checked against the no-remat plan and its
+step timed (warm-up, then repeats; median, min and spread).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from remat_search.plan import RematPlan
+from remat_search.spec import TimingConfig
+
+Status = Literal["measured", "over_budget", "failed"]
+
+# On CPU the default (concurrency-optimised) scheduler hides what remat saves.
+CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# Gradient checks need correct numbers, not fast code: compile them quickly.
+CHECK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+class MemoryBreakdown(BaseModel):
+    """The compiler's memory figures for one executable, in bytes (device, then host)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+    host_argument: int = 0
+    host_output: int = 0
+    host_alias: int = 0
+    host_temp: int = 0
+    compiler_peak: int = 0
+    """``peak_memory_in_bytes``: populated on TPU/GPU, a constant on CPU (not used there)."""
+
+    @classmethod
+    def of(cls, compiled: Any) -> MemoryBreakdown:
+        """Read the breakdown of a ``jax.stages.Compiled``."""
+        m = compiled.memory_analysis()
+        fields = ("argument", "output", "alias", "temp", "generated_code")
+        return cls(
+            **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
+            **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes")) for f in fields[:4]},
+            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+        )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def peak(self) -> int:
+        """Peak device bytes of one step: argument + output − alias + temp."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+class Measurement(BaseModel):
+    """What the runner saw for one (workload, plan, device)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: Status
+    plan_digest: str
+    memory: MemoryBreakdown | None = None
+    flops: float | None = None
+    compile_seconds: float | None = None
+    step_seconds: tuple[float, ...] = ()
+    grad_max_abs_error: float | None = None
+    grad_rel_error: float | None = None
+    error: str | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Peak device bytes, or None when the compile did not get that far."""
+        return self.memory.peak if self.memory else None
+
+    @property
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def min_seconds(self) -> float | None:
+        return min(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def spread(self) -> float | None:
+        """(max − min) / median of the timed repeats: how far to trust the median."""
+        if not self.step_seconds:
+            return None
+        return (max(self.step_seconds) - min(self.step_seconds)) / statistics.median(self.step_seconds)
+
+
+def measure(
+    workload: Any,
+    plan: RematPlan,
+    *,
+    budget: int,
+    timing: TimingConfig,
+    gradient_tolerance: float,
+    reference_grads: Callable[[], Any],
+) -> Measurement:
+    """Compile ``plan`` for ``workload``; run, check and time it only if it fits ``budget``.
+
+    ``reference_grads`` returns the no-remat gradients (computed once, when first needed).
+    Exceptions propagate: the worker turns them into a failed measurement with the reason.
+    """
+    import jax
+
+    cpu = jax.default_backend() == "cpu"
+    start = time.perf_counter()
+    compiled = workload.step(plan).lower(*workload.abstract_inputs()).compile(
+        compiler_options=CPU_COMPILER_OPTIONS if cpu else None
+    )
+    seen: dict[str, Any] = {
+        "plan_digest": plan.digest,
+        "compile_seconds": time.perf_counter() - start,
+        "memory": MemoryBreakdown.of(compiled),
+        "flops": _flops(compiled),
+    }
+    if seen["memory"].peak > budget:
+        return Measurement(status="over_budget", **seen)
+
+    state, batch = workload.inputs()
+    abs_error, rel_error = gradient_error(_gradients(workload, plan, state[0], batch), reference_grads())
+    seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error)
+    if not rel_error <= gradient_tolerance:
+        return Measurement(
+            status="failed",
+            error=f"gradients differ from no remat: relative error {rel_error:.2e} > "
+            f"gradient_tolerance {gradient_tolerance:.0e}",
+            **seen,
+        )
+
+    times = []
+    for i in range(timing.warmup + timing.repeats):
+        t0 = time.perf_counter()
+        state, loss = compiled(state, batch)
+        jax.block_until_ready((state, loss))
+        if i >= timing.warmup:
+            times.append(time.perf_counter() - t0)
+    if not math.isfinite(float(loss)):
+        return Measurement(status="failed", error=f"loss is {float(loss)} after the timed steps", **seen)
+    return Measurement(status="measured", step_seconds=tuple(times), **seen)
+
+
+def reference_gradients(workload: Any) -> Any:
+    """Gradients of the no-remat plan on the workload's inputs, as host arrays."""
+    import jax
+
+    state, batch = workload.inputs()
+    none = RematPlan.uniform("none", workload.layers)
+    return jax.device_get(_gradients(workload, none, state[0], batch))
+
+
+def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
+    """(max absolute error, max over leaves of max |error| / max |reference|)."""
+    import jax
+
+    abs_error = rel_error = 0.0
+    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(reference), strict=True):
+        diff = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
+        scale = float(np.max(np.abs(np.asarray(r, np.float64))))
+        abs_error = max(abs_error, diff)
+        rel_error = max(rel_error, diff / scale if scale > 0 else diff)
+    return abs_error, rel_error
+
+
+def _gradients(workload: Any, plan: RematPlan, params: Any, batch: Any) -> Any:
+    grad_fn = workload.grad(plan).lower(params, batch).compile(compiler_options=CHECK_COMPILER_OPTIONS)
+    return grad_fn(params, batch)
+
+
+def _flops(compiled: Any) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX returns one dict per device program
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None

@@ -1,0 +1,91 @@
+"""Everything the CLI prints: rich tables for people, JSON for programs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from remat_search.report import StudyReport, StudySummary
+from remat_search.store import TrialResult
+from remat_search.units import format_bytes, format_seconds
+
+console = Console()
+errors = Console(stderr=True)
+
+_STATUS_STYLE = {"measured": "green", "over_budget": "yellow", "failed": "red", "interrupted": "dim"}
+
+
+def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
+    """One row a trial: plan, peak, median step time with its spread, FLOPs, status."""
+    table = Table(title=title, title_justify="left")
+    for column in ("trial", "plan", "peak", "step (median)", "spread", "GFLOP", "status"):
+        table.add_column(column, justify="right" if column not in ("plan", "status") else "left")
+    for t in trials:
+        m = t.measurement
+        peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—"
+        if budget and t.peak_bytes is not None:
+            peak += f" ({t.peak_bytes / budget:.0%})"
+        status = t.status + (f" = #{t.reused_from}" if t.reused_from is not None else "")
+        if t.error and t.status == "failed":
+            status += f": {t.error.splitlines()[0][:80]}"
+        table.add_row(
+            str(t.number),
+            t.summary(),
+            peak,
+            format_seconds(t.median_seconds) if t.median_seconds is not None else "—",
+            f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
+            f"{m.flops / 1e9:.2f}" if m and m.flops is not None else "—",
+            f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
+        )
+    return table
+
+
+def front_table(report: StudyReport) -> Table:
+    return trials_table(
+        f"Pareto front of {report.study!r} (budget {format_bytes(report.budget)}, peak as % of it)",
+        report.front, budget=report.budget,
+    )
+
+
+def studies_table(summaries: Iterable[StudySummary]) -> Table:
+    table = Table(title="Studies", title_justify="left")
+    for column in ("study", "device", "budget", "complete", "failed", "running", "fastest feasible"):
+        table.add_column(column)
+    for s in summaries:
+        table.add_row(
+            s.study, s.device, format_bytes(s.budget) if s.budget else "—",
+            str(s.complete), str(s.failed), str(s.running),
+            format_seconds(s.fastest_seconds) if s.fastest_seconds is not None else "—",
+        )
+    return table
+
+
+def describe_trial(t: TrialResult) -> str:
+    """A multi-line account of one trial: per-layer plan and the whole measurement."""
+    lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
+    if t.plan:
+        lines += [f"  layer {i:2d}: {p}" for i, p in enumerate(t.plan.layers)]
+        lines.append(f"  plan digest: {t.plan.digest}")
+    m = t.measurement
+    if m and m.memory:
+        mem = m.memory
+        lines.append(
+            f"  peak {format_bytes(mem.peak)} = argument {format_bytes(mem.argument)} + output "
+            f"{format_bytes(mem.output)} − alias {format_bytes(mem.alias)} + temp {format_bytes(mem.temp)}"
+        )
+        host = mem.host_argument + mem.host_output + mem.host_temp
+        if host:
+            lines.append(f"  host (pinned) memory: {format_bytes(host)}")
+        lines.append(f"  compile {m.compile_seconds:.2f} s, {m.flops / 1e9:.2f} GFLOP" if m.flops else "")
+    if m and m.step_seconds:
+        lines.append(
+            f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
+            f"spread {m.spread:.0%} over {len(m.step_seconds)} repeats"
+        )
+    if m and m.grad_rel_error is not None:
+        lines.append(f"  gradients vs no remat: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+    if t.error:
+        lines.append(f"  error: {t.error}")
+    return "\n".join(line for line in lines if line)

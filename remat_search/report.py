@@ -1,0 +1,180 @@
+"""Reading a study back: the Pareto front, the best plan under any budget, summaries, a plot.
+
+Everything here reads storage and never writes it, so queries are cheap and safe to run
+beside a search. The front is optuna's own (``study.best_trials``: feasible, complete,
+non-dominated in step time and peak bytes); the best plan for a budget is the fastest
+*timed* plan whose compiled peak fits it, across every trial of the study.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.errors import NoFeasiblePlan
+from remat_search.store import TrialResult, load_study, open_storage, translate_errors, trial_result
+from remat_search.units import format_bytes
+
+
+class StudyReport(BaseModel):
+    """A study's trials and front, with what they were measured on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    study: str
+    budget: int
+    device: dict[str, Any]
+    trials: tuple[TrialResult, ...]
+    front: tuple[TrialResult, ...]
+
+    def count(self, status: str) -> int:
+        return sum(1 for t in self.trials if t.status == status)
+
+    def timed(self) -> list[TrialResult]:
+        """Trials that were run and timed, each plan once (its first trial)."""
+        seen: set[str] = set()
+        out = []
+        for t in self.trials:
+            if t.status == "measured" and t.reused_from is None and t.measurement:
+                if t.measurement.plan_digest not in seen:
+                    seen.add(t.measurement.plan_digest)
+                    out.append(t)
+        return out
+
+    def best(self, budget: int) -> TrialResult:
+        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`."""
+        fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
+        if fitting:
+            return min(fitting, key=lambda t: (t.median_seconds, t.peak_bytes, t.number))
+        peaks = [t for t in self.trials if t.peak_bytes is not None]
+        if not peaks:
+            raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
+        smallest = min(peaks, key=lambda t: t.peak_bytes)  # type: ignore[arg-type, return-value]
+        assert smallest.plan is not None and smallest.peak_bytes is not None
+        raise NoFeasiblePlan(
+            f"budget: no measured plan of study {self.study!r} fits {format_bytes(budget)}; the "
+            f"smallest peak measured is {format_bytes(smallest.peak_bytes)} "
+            f"(trial {smallest.number}: {smallest.summary()})"
+        )
+
+    def untimed_within(self, budget: int) -> list[TrialResult]:
+        """Plans that fit ``budget`` but were not timed: they exceeded the study's own budget."""
+        return [
+            t for t in self.trials
+            if t.status == "over_budget" and t.reused_from is None
+            and t.peak_bytes is not None and t.peak_bytes <= budget
+        ]
+
+
+def study_report(study: optuna.Study) -> StudyReport:
+    """Build the report of an open study."""
+    trials = tuple(trial_result(t) for t in study.get_trials(deepcopy=False))
+    by_number = {t.number: t for t in trials}
+    front, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):
+        result = by_number[t.number]
+        if result.plan is not None and result.plan.digest not in seen:
+            seen.add(result.plan.digest)
+            front.append(result)
+    return StudyReport(
+        study=study.study_name,
+        budget=int(study.user_attrs.get("budget", 0)),
+        device=study.user_attrs.get("device", {}),
+        trials=trials,
+        front=tuple(front),
+    )
+
+
+def load_report(study: str, storage: str | None = None) -> StudyReport:
+    """The report of study ``study`` in ``storage`` (default storage if None)."""
+    opened = open_storage(storage)
+    with translate_errors(opened.url):
+        return study_report(load_study(study, opened))
+
+
+def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
+    """The study's feasible Pareto front of step time vs peak memory, smallest peak first."""
+    return list(load_report(study, storage).front)
+
+
+def best_plan(study: str, budget: int | str, storage: str | None = None) -> TrialResult:
+    """The fastest measured plan of ``study`` whose compiled peak fits ``budget``."""
+    from remat_search.units import parse_bytes
+
+    return load_report(study, storage).best(parse_bytes(budget))
+
+
+class StudySummary(BaseModel):
+    """One line of ``remat-search studies``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    study: str
+    budget: int
+    device: str
+    complete: int
+    failed: int
+    running: int
+    fastest_seconds: float | None
+
+
+def list_studies(storage: str | None = None) -> list[StudySummary]:
+    """Every study in ``storage`` with its trial counts and fastest feasible step."""
+    opened = open_storage(storage)
+    with translate_errors(opened.url):
+        out = []
+        for s in optuna.get_all_study_summaries(opened, include_best_trial=False):
+            study = optuna.load_study(study_name=s.study_name, storage=opened)
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+            front = [t.values[0] for t in study.best_trials]
+            device = study.user_attrs.get("device", {})
+            out.append(StudySummary(
+                study=s.study_name,
+                budget=int(study.user_attrs.get("budget", 0)),
+                device=f"{device.get('platform', '?')} ({device.get('device_kind', '?')})",
+                complete=states.count(TrialState.COMPLETE),
+                failed=states.count(TrialState.FAIL),
+                running=states.count(TrialState.RUNNING),
+                fastest_seconds=min(front) if front else None,
+            ))
+        return sorted(out, key=lambda s: s.study)
+
+
+def plot_report(report: StudyReport, path: str | Path) -> Path:
+    """Write a PNG of step time vs peak memory: timed plans, the front, the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    timed = report.timed()
+    ax.scatter([t.peak_bytes / mib for t in timed], [t.median_seconds * 1e3 for t in timed],
+               s=18, color="0.6", label="timed plans")
+    front = [t for t in report.front if t.median_seconds is not None]
+    ax.plot([t.peak_bytes / mib for t in front], [t.median_seconds * 1e3 for t in front],
+            "o-", color="tab:blue", label="Pareto front")
+    for t in timed:
+        if t.plan is not None and len(set(t.plan.layers)) == 1:
+            ax.annotate(str(t.plan.layers[0]), (t.peak_bytes / mib, t.median_seconds * 1e3),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
+    if over:
+        ax.scatter([t.peak_bytes / mib for t in over], [ax.get_ylim()[1]] * len(over), marker="x",
+                   color="tab:red", label="over budget (compiled, never run)")
+    if report.budget:
+        ax.axvline(report.budget / mib, color="tab:red", linestyle="--", label="budget")
+    ax.set_xlabel("compiled peak memory (MiB)")
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{report.study}: {report.device.get('device_kind', '')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,177 @@
+"""The runner: measures candidates in a worker process that may die without harm.
+
+A compiler crash, an out-of-memory kill or a hang must not take the study down, so every
+compile and run happens in a child process (``spawn``, never ``fork``, because JAX is
+threaded). The worker is reused from one candidate to the next; when it dies or runs past
+the timeout it is killed and the candidate becomes a failed :class:`Measurement` with the
+reason, and the next candidate gets a fresh worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.errors import WorkloadError
+from remat_search.measurement import Measurement, measure, reference_gradients
+from remat_search.plan import RematPlan
+from remat_search.spec import TimingConfig, WorkloadConfig
+
+STARTUP_TIMEOUT = 300.0
+
+
+class DeviceInfo(BaseModel):
+    """What the worker's JAX sees: where plans are compiled and timed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    platform: str
+    device_kind: str
+    device_count: int
+    jax_version: str
+    workload_fingerprint: str
+
+
+class Runner:
+    """Measures plans of one workload in a reusable worker process.
+
+    Use as a context manager; :meth:`measure` never raises for a bad candidate.
+    """
+
+    def __init__(self, workload: WorkloadConfig, *, timeout: float) -> None:
+        self._workload = workload
+        self._timeout = timeout
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._info: DeviceInfo | None = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> DeviceInfo:
+        """Start the worker if needed and return what it runs on."""
+        self._ensure_worker()
+        assert self._info is not None
+        return self._info
+
+    def measure(
+        self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+    ) -> Measurement:
+        """Measure ``plan`` in the worker; crashes and timeouts come back as failures."""
+        self._ensure_worker()
+        assert self._conn is not None and self._process is not None
+        self._conn.send(("measure", plan.to_json(), budget, timing, gradient_tolerance))
+        if not self._conn.poll(self._timeout):
+            self.close()
+            return Measurement(
+                status="failed", plan_digest=plan.digest,
+                error=f"timed out after {self._timeout:g} s (timing.timeout); worker killed",
+            )
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            reason = self._death_reason()
+            self.close()
+            return Measurement(status="failed", plan_digest=plan.digest, error=reason)
+        if kind == "error":
+            return Measurement(status="failed", plan_digest=plan.digest, error=payload)
+        return Measurement.model_validate_json(payload)
+
+    def close(self) -> None:
+        """Stop the worker (killing it if it does not stop at once)."""
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join()
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+    def _ensure_worker(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        self.close()
+        context = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child_conn, self._workload, os.getpid()),
+            name="remat-search-worker", daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self._conn = parent_conn
+        if not parent_conn.poll(STARTUP_TIMEOUT):
+            self.close()
+            raise WorkloadError(f"workload: the worker did not start within {STARTUP_TIMEOUT:g} s")
+        try:
+            kind, payload = parent_conn.recv()
+        except EOFError:
+            reason = self._death_reason()
+            self.close()
+            raise WorkloadError(f"workload: the worker could not start ({reason})") from None
+        if kind == "error":
+            self.close()
+            raise WorkloadError(f"workload: the worker could not build it ({payload})")
+        self._info = DeviceInfo.model_validate_json(payload)
+
+    def _death_reason(self) -> str:
+        assert self._process is not None
+        self._process.join(timeout=5)
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            return f"worker died from signal {signal.Signals(-code).name}"
+        return f"worker died (exit code {code})"
+
+
+def _serve(conn: Connection, workload_config: WorkloadConfig, parent_pid: int) -> None:
+    """The worker's loop: build the workload once, then measure plan after plan."""
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        import jax
+
+        from remat_search.workload import build_workload
+
+        workload = build_workload(workload_config)
+        device = jax.devices()[0]
+        info = DeviceInfo(
+            platform=device.platform, device_kind=device.device_kind,
+            device_count=jax.device_count(), jax_version=jax.__version__,
+            workload_fingerprint=workload.fingerprint(),
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", info.model_dump_json()))
+    reference = functools.cache(lambda: reference_gradients(workload))
+    while True:
+        try:
+            _, plan_json, budget, timing, tolerance = conn.recv()
+        except EOFError:
+            return
+        try:
+            m = measure(
+                workload, RematPlan.model_validate_json(plan_json), budget=budget,
+                timing=timing, gradient_tolerance=tolerance, reference_grads=reference,
+            )
+            conn.send(("ok", m.model_dump_json()))
+        except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End the worker when the search process is gone (e.g. killed with SIGKILL)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)

@@ -1,0 +1,190 @@
+"""The search loop: spec → plans → measurements → an optuna study that survives crashes.
+
+:func:`run` checks everything a spec names before it writes anything, then asks optuna
+for plans until the study holds ``spec.trials`` finished trials. Each trial carries two
+objectives (median step seconds, peak bytes) and the budget as a constraint
+(``peak / budget − 1``, feasible when ≤ 0). Running the same spec again resumes: trials
+left running by a killed search are failed and their plans queued again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from collections.abc import Callable
+
+import optuna
+import psutil
+from optuna.trial import TrialState
+
+from remat_search.errors import SpecError
+from remat_search.measurement import Measurement
+from remat_search.report import StudyReport, study_report
+from remat_search.runner import DeviceInfo, Runner
+from remat_search.space import check_space, make_sampler, preset_params, suggest_plan
+from remat_search.spec import SearchSpec
+from remat_search.store import (
+    FAILURE_ATTR,
+    HOST_ATTR,
+    INTERRUPTED,
+    MEASUREMENT_ATTR,
+    PID_ATTR,
+    PLAN_ATTR,
+    REUSED_ATTR,
+    TrialResult,
+    choice_labels,
+    open_storage,
+    translate_errors,
+    trial_result,
+)
+from remat_search.workload import build_workload
+
+BUDGET_CONSTRAINT = "budget"
+STARTED_ATTR = "pid_started"
+# Fields a study is tied to: resuming with others would mix incomparable trials.
+IDENTITY_FIELDS = ("workload", "space", "budget")
+
+ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
+
+
+def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
+    """Search ``spec`` until its study holds ``spec.trials`` finished trials; return the report.
+
+    ``on_progress(done, total, last_result, device)`` is called once before the first
+    trial (``last_result`` None) and after every trial.
+    """
+    workload = build_workload(spec.workload)
+    check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
+    with Runner(spec.workload, timeout=spec.timing.timeout) as runner:
+        device = runner.describe()
+        offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
+        if offload and device.platform == "cpu":
+            raise SpecError(
+                f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
+                "this machine compiles for cpu"
+            )
+        storage = open_storage(spec.storage, create=True)
+        with translate_errors(spec.storage):
+            study = _open_study(spec, storage, device, workload.layers)
+            _requeue_interrupted(study)
+            done = _finished(study)
+            if on_progress:
+                on_progress(done, spec.trials, None, device)
+            measured = {
+                m.plan_digest: (t.number, m)
+                for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if (m := trial_result(t).measurement) is not None
+            }
+            while done < spec.trials:
+                result = _run_trial(spec, study, runner, workload.layers, measured)
+                done += 1
+                if on_progress:
+                    on_progress(done, spec.trials, result, device)
+        return study_report(study)
+
+
+def _run_trial(
+    spec: SearchSpec,
+    study: optuna.Study,
+    runner: Runner,
+    layers: int,
+    measured: dict[str, tuple[int, Measurement]],
+) -> TrialResult:
+    """Ask for one plan, measure it (or reuse the study's measurement of it), record it."""
+    trial = study.ask()
+    reused_from = None
+    me = psutil.Process()
+    trial.set_user_attr(HOST_ATTR, socket.gethostname())
+    trial.set_user_attr(PID_ATTR, me.pid)
+    trial.set_user_attr(STARTED_ATTR, me.create_time())
+    plan = suggest_plan(spec.space, layers, trial)
+    trial.set_user_attr(PLAN_ATTR, plan.to_json())
+    if plan.digest in measured:
+        reused_from, m = measured[plan.digest]
+        trial.set_user_attr(REUSED_ATTR, reused_from)
+    else:
+        m = runner.measure(
+            plan, budget=spec.budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance
+        )
+    _record(study, trial, m, spec.budget)
+    if m.status != "failed":
+        measured.setdefault(plan.digest, (trial.number, m))
+    return TrialResult(
+        number=trial.number, status=m.status, plan=plan, measurement=m,
+        labels=choice_labels(trial.params, plan),
+        reused_from=reused_from, error=m.error,
+    )
+
+
+def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:
+    """Store a measurement; the constraint goes last (optuna copies it on retries)."""
+    trial.set_user_attr(MEASUREMENT_ATTR, m.model_dump_json())
+    if m.status == "failed":
+        trial.set_user_attr(FAILURE_ATTR, m.error or "unknown failure")
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    assert m.peak_bytes is not None
+    seconds = m.median_seconds if m.status == "measured" else math.inf  # never run: no time
+    trial.set_constraint(BUDGET_CONSTRAINT, m.peak_bytes / budget - 1.0)
+    study.tell(trial, [seconds, float(m.peak_bytes)])
+
+
+def _open_study(
+    spec: SearchSpec, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
+) -> optuna.Study:
+    identity = spec.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+    existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    study = optuna.create_study(
+        study_name=spec.study, storage=storage, sampler=make_sampler(spec.sampler),
+        directions=["minimize", "minimize"], load_if_exists=True,
+    )
+    if spec.study not in existing:
+        for key, value in identity.items():
+            study.set_user_attr(key, value)
+        study.set_user_attr("device", device.model_dump())
+        for params in preset_params(spec.space, layers):
+            study.enqueue_trial(params)
+        return study
+    for key, value in identity.items():
+        if study.user_attrs.get(key) != value:
+            raise SpecError(
+                f"spec.{key}: study {spec.study!r} already exists with another {key} "
+                f"({json.dumps(study.user_attrs.get(key))[:120]}); "
+                "give this search a new study name"
+            )
+    return study
+
+
+def _requeue_interrupted(study: optuna.Study) -> None:
+    """Fail trials whose search process is gone, and queue their plans again."""
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not _orphaned(trial):
+            continue
+        study._storage.set_trial_user_attr(trial._trial_id, FAILURE_ATTR, INTERRUPTED)
+        study.tell(trial.number, state=TrialState.FAIL)
+        if trial.params:
+            study.enqueue_trial(trial.params)
+
+
+def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
+    attrs = trial.user_attrs
+    if HOST_ATTR not in attrs:  # killed between ask() and its first write
+        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        return time.time() - started > 60
+    if attrs[HOST_ATTR] != socket.gethostname():
+        return False  # another host's search: it may be alive
+    try:
+        return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _finished(study: optuna.Study) -> int:
+    """Trials that count towards ``spec.trials``: complete, or failed by the runner."""
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED
+    )

@@ -1,0 +1,255 @@
+"""The search spec: what a study searches, written as YAML and checked by pydantic.
+
+A :class:`SearchSpec` names the study and its storage, the workload, the space of plans,
+the HBM budget, the sampler, the trial count and how candidates are timed. Unknown keys
+are errors. :func:`load_spec` turns every problem into a one-line :class:`SpecError` that
+names the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from remat_search.errors import SpecError
+from remat_search.plan import LayerPolicy
+from remat_search.units import Bytes, Seconds
+
+DEFAULT_STORAGE = "sqlite:///storage/studies.db"
+STORAGE_ENV = "REMAT_SEARCH_STORAGE"
+STUDY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+PRESET_KINDS = ("none", "full", "dots", "dots_no_batch")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TransformerConfig(_Frozen):
+    """The built-in Flax decoder LM trained with AdamW (see ``transformer.py``)."""
+
+    kind: Literal["transformer"]
+    layers: PositiveInt
+    d_model: PositiveInt
+    heads: PositiveInt
+    d_ff: PositiveInt
+    seq_len: PositiveInt
+    batch: PositiveInt
+    vocab: PositiveInt
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TransformerConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        return self
+
+
+class MlpConfig(_Frozen):
+    """The built-in chain of dense → gelu → dense blocks trained with AdamW."""
+
+    kind: Literal["mlp"]
+    layers: PositiveInt
+    width: PositiveInt
+    hidden: PositiveInt
+    batch: PositiveInt
+
+
+class FactoryConfig(_Frozen):
+    """A user workload: ``factory: "package.module:function"``, called with ``args``."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            raise ValueError(f"expected an import path 'package.module:function', got {value!r}")
+        return value
+
+
+def _workload_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "factory" if "factory" in value else value.get("kind")
+    if isinstance(value, BaseModel):
+        return "factory" if isinstance(value, FactoryConfig) else getattr(value, "kind", None)
+    return None
+
+
+WorkloadConfig = Annotated[
+    Annotated[TransformerConfig, Tag("transformer")]
+    | Annotated[MlpConfig, Tag("mlp")]
+    | Annotated[FactoryConfig, Tag("factory")],
+    Discriminator(
+        _workload_tag,
+        custom_error_type="workload_kind",
+        custom_error_message="expected kind: transformer or mlp, or factory: 'package.module:function'",
+    ),
+]
+
+
+class PolicyChoice(_Frozen):
+    """One policy the space may give a layer, with the label studies and reports use.
+
+    Written in YAML as a bare policy (``full``) or as ``{label: save_qkv, names: [...]}``
+    or ``{label: off_mlp, offload: [...]}``.
+    """
+
+    label: str = Field(pattern=r"^[A-Za-z0-9_.+-]+$")
+    policy: LayerPolicy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_yaml(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value not in PRESET_KINDS:
+                raise ValueError(
+                    f"unknown policy {value!r}; expected one of {', '.join(PRESET_KINDS)}, "
+                    "or {label: ..., names: [...]} or {label: ..., offload: [...]}"
+                )
+            return {"label": value, "policy": {"kind": value}}
+        if isinstance(value, dict) and "policy" not in value:
+            value = dict(value)
+            kinds = [k for k in ("names", "offload") if k in value]
+            if len(kinds) != 1:
+                raise ValueError("a labelled choice needs exactly one of names: [...] or offload: [...]")
+            names = value.pop(kinds[0])
+            if isinstance(names, str) or not isinstance(names, list):
+                raise ValueError(f"{kinds[0]} must be a list of tensor names, got {names!r}")
+            return {**value, "policy": {"kind": kinds[0], "names": names}}
+        return value
+
+
+class SpaceConfig(_Frozen):
+    """The plans a study may propose: a layout and a finite list of policy choices."""
+
+    layout: Literal["uniform", "per_layer"] = "per_layer"
+    choices: tuple[PolicyChoice, ...] = Field(min_length=1)
+
+    @field_validator("choices")
+    @classmethod
+    def _unique_labels(cls, choices: tuple[PolicyChoice, ...]) -> tuple[PolicyChoice, ...]:
+        labels = [c.label for c in choices]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"labels must be unique, repeated: {duplicates}")
+        return choices
+
+    def policy(self, label: str) -> LayerPolicy:
+        """The policy of the choice labelled ``label``."""
+        return next(c.policy for c in self.choices if c.label == label)
+
+
+class SamplerConfig(_Frozen):
+    """Which optuna sampler proposes plans (constraint-aware ones learn from the budget)."""
+
+    kind: Literal["tpe", "nsga2", "random"] = "tpe"
+    seed: int | None = 0
+
+
+class TimingConfig(_Frozen):
+    """How a candidate that fits is timed, and how long it may take in all."""
+
+    warmup: NonNegativeInt = 2
+    repeats: PositiveInt = 5
+    timeout: Seconds = 300.0
+
+
+class SearchSpec(_Frozen):
+    """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
+
+    study: str
+    storage: str = DEFAULT_STORAGE
+    workload: WorkloadConfig
+    space: SpaceConfig
+    budget: Bytes
+    trials: PositiveInt
+    sampler: SamplerConfig = SamplerConfig()
+    timing: TimingConfig = TimingConfig()
+    gradient_tolerance: PositiveFloat = 1e-3
+
+    @field_validator("study")
+    @classmethod
+    def _study_name(cls, value: str) -> str:
+        return check_study_name(value)
+
+
+def check_study_name(value: str) -> str:
+    """Return ``value`` if it is a usable study name, else raise :class:`ValueError`."""
+    if not re.fullmatch(STUDY_NAME_PATTERN, value):
+        raise ValueError(
+            f"expected a study name of letters, digits, '.', '_' or '-' "
+            f"(starting with a letter or digit, at most 128), got {value!r}"
+        )
+    return value
+
+
+def load_spec(path: str | os.PathLike[str], *, storage: str | None = None) -> SearchSpec:
+    """Read and check a YAML spec; ``storage`` (from ``--storage`` or the environment) wins."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError(f"spec: cannot read {str(path)!r} ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise SpecError(f"spec: {str(path)!r} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"spec: {str(path)!r} must be a YAML mapping of fields, got {type(data).__name__}")
+    storage = storage or os.environ.get(STORAGE_ENV)
+    if storage:
+        data["storage"] = storage
+    return parse_spec(data)
+
+
+def parse_spec(data: dict[str, Any]) -> SearchSpec:
+    """Validate a spec given as a mapping, with the same one-line errors as :func:`load_spec`."""
+    try:
+        return SearchSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(describe_validation_error(e, prefix="spec")) from None
+
+
+def describe_validation_error(e: ValidationError, *, prefix: str) -> str:
+    """One line for a pydantic error: the first field's path, message and bad value."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    # Errors on an ancestor of the first field are consequences of it (e.g. an empty list).
+    others = [err for err in errors[1:] if err["loc"] != first["loc"][: len(err["loc"])]]
+    loc = ".".join(
+        str(p)
+        for i, p in enumerate(first["loc"])
+        if not (i == 1 and first["loc"][0] == "workload" and p in _WORKLOAD_TAGS)
+        and not str(p).startswith("function-")
+    )
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "required field missing"
+    elif "input" in first and not isinstance(first["input"], (dict, list)) and "got" not in message and repr(first["input"]) not in message:
+        message += f" (got {first['input']!r})"
+    more = f" (and {len(others)} more)" if others else ""
+    return f"{prefix}.{loc}: {message}{more}" if loc else f"{prefix}: {message}{more}"
+
+
+_WORKLOAD_TAGS = ("transformer", "mlp", "factory")

@@ -1,0 +1,190 @@
+"""Where studies live: optuna's RDB storage (SQLite by default, PostgreSQL for several hosts).
+
+This module is the one place that opens storage and translates SQLAlchemy and optuna
+storage errors into :class:`StorageError`. SQLite databases run in WAL mode with a busy
+timeout so that several processes can share one file. A trial's plan and measurement are
+kept as JSON user attributes next to optuna's own values and constraints;
+:func:`trial_result` reads them back as a :class:`TrialResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import optuna
+import sqlalchemy
+import sqlalchemy.exc
+from optuna.trial import FrozenTrial, TrialState
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.errors import StorageError
+from remat_search.measurement import Measurement
+from remat_search.plan import RematPlan
+from remat_search.spec import DEFAULT_STORAGE, STORAGE_ENV
+
+SQLITE_BUSY_TIMEOUT_SECONDS = 60
+CONNECT_TIMEOUT_SECONDS = 10
+# Trial user attributes written by the search.
+PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
+HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
+INTERRUPTED = "interrupted"
+
+TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
+
+
+class TrialResult(BaseModel):
+    """One trial of a study as reports show it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    status: TrialStatus
+    plan: RematPlan | None = None
+    labels: tuple[str, ...] = ()
+    """The spec's choice label of each layer (what the sampler picked)."""
+    measurement: Measurement | None = None
+    reused_from: int | None = None
+    error: str | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.measurement.peak_bytes if self.measurement else None
+
+    def summary(self) -> str:
+        """The plan in a few words, by choice label: ``full×2 save_qkv×6``."""
+        if self.plan is None:
+            return "—"
+        return self.plan.summary(self.labels if len(self.labels) == len(self.plan.layers) else None)
+
+    @property
+    def median_seconds(self) -> float | None:
+        return self.measurement.median_seconds if self.measurement else None
+
+
+def resolve_url(url: str | None) -> str:
+    """The storage URL to use: the one given, else ``$REMAT_SEARCH_STORAGE``, else the default."""
+    return url or os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+
+
+def open_storage(url: str | None = None, *, create: bool = False) -> optuna.storages.RDBStorage:
+    """Open the storage at ``url``; with ``create=False`` a missing SQLite file is an error.
+
+    Nothing is written before the URL is known to be reachable.
+    """
+    url = resolve_url(url)
+    shown = _shown(url)
+    with translate_errors(url):
+        parsed = sqlalchemy.engine.make_url(url)
+        if parsed.get_backend_name() == "sqlite":
+            _check_sqlite_path(parsed.database, shown, create=create)
+            engine_kwargs: dict = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
+        else:
+            engine_kwargs = {"pool_pre_ping": True}
+            if parsed.get_backend_name() == "postgresql":
+                engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+            probe = sqlalchemy.create_engine(parsed, **engine_kwargs)
+            try:
+                with probe.connect():
+                    pass
+            finally:
+                probe.dispose()
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        if parsed.get_backend_name() == "sqlite":
+            with storage.engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA journal_mode=WAL")
+        return storage
+
+
+@contextlib.contextmanager
+def translate_errors(url: str) -> Iterator[None]:
+    """Turn SQLAlchemy and optuna storage failures into one-line :class:`StorageError`s."""
+    shown = _shown(url)
+    try:
+        yield
+    except StorageError:
+        raise
+    except sqlalchemy.exc.ArgumentError:
+        raise StorageError(
+            f"storage: {shown!r} is not a database URL; expected e.g. "
+            f"{DEFAULT_STORAGE} or postgresql://user@host/db"
+        ) from None
+    except (sqlalchemy.exc.NoSuchModuleError, ModuleNotFoundError) as e:
+        raise StorageError(f"storage: {shown!r} needs a database driver that is not installed ({e})") from None
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        raise StorageError(f"storage: cannot use {shown!r} ({reason})") from None
+
+
+def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
+    """The study ``name``; a missing one is a :class:`StorageError` listing those that exist."""
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
+        raise StorageError(
+            f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
+        ) from None
+
+
+def trial_result(trial: FrozenTrial) -> TrialResult:
+    """Read a trial's plan, measurement and outcome from what the search stored."""
+    attrs = trial.user_attrs
+    plan = RematPlan.model_validate_json(attrs[PLAN_ATTR]) if PLAN_ATTR in attrs else None
+    measurement = (
+        Measurement.model_validate_json(attrs[MEASUREMENT_ATTR]) if MEASUREMENT_ATTR in attrs else None
+    )
+    if trial.state == TrialState.COMPLETE:
+        status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
+    elif trial.state == TrialState.FAIL:
+        status = "interrupted" if attrs.get(FAILURE_ATTR) == INTERRUPTED else "failed"
+    elif trial.state == TrialState.WAITING:
+        status = "waiting"
+    else:
+        status = "running"
+    error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
+    return TrialResult(
+        number=trial.number, status=status, plan=plan, measurement=measurement,
+        labels=choice_labels(trial.params, plan),
+        reused_from=attrs.get(REUSED_ATTR), error=error,
+    )
+
+
+def choice_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
+    """Per-layer choice labels from a trial's parameters (``policy`` or ``layer_NN``)."""
+    if plan is None or not params:
+        return ()
+    if "policy" in params:
+        return (str(params["policy"]),) * len(plan.layers)
+    return tuple(str(params[k]) for k in sorted(params))
+
+
+def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:
+    if not database or database == ":memory:":
+        raise StorageError(f"storage: {shown!r} is in memory; studies must persist: name a file")
+    path = Path(database)
+    if path.exists():
+        if not path.is_file():
+            raise StorageError(f"storage: {shown!r} points at {str(path)!r}, which is not a file")
+        return
+    if not create:
+        raise StorageError(
+            f"storage: no database at {str(path)!r} ({shown}); run a search first, or pass --storage"
+        )
+    if not path.parent.is_dir():
+        raise StorageError(
+            f"storage: directory {str(path.parent)!r} of {shown!r} does not exist; "
+            "create it or pass --storage"
+        )
+    if not os.access(path.parent, os.W_OK):
+        raise StorageError(f"storage: directory {str(path.parent)!r} of {shown!r} is not writable")
+
+
+def _shown(url: str) -> str:
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return url

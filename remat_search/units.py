@@ -1,0 +1,71 @@
+"""Byte sizes and durations as users write them: ``200MiB``, ``16GiB``, ``1.6e10``, ``120s``.
+
+Byte units come from pydantic's :class:`~pydantic.ByteSize` (``KiB``/``MiB``/``GiB`` are
+powers of two, ``KB``/``MB``/``GB`` powers of ten); plain numbers, scientific notation
+included, are bytes. Both parsers raise :class:`ValueError` with the expected form, which
+pydantic turns into a field error and the CLI into a one-line message.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated
+
+from pydantic import BeforeValidator, ByteSize, TypeAdapter, ValidationError
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
+_SECONDS_PER_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+BYTES_EXPECTED = "a positive size such as 200MiB, 16GiB, 80GB or 1.6e10"
+
+
+def parse_bytes(value: object) -> int:
+    """Return the positive number of bytes ``value`` names."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
+    try:
+        number = float(value)  # type: ignore[arg-type]  # ints, floats, "1.6e10", "-1"
+    except (TypeError, ValueError):
+        try:
+            number = float(_BYTE_SIZE.validate_python(value))
+        except ValidationError:
+            raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
+    return int(number)
+
+
+def parse_seconds(value: object) -> float:
+    """Return the positive number of seconds ``value`` names (``120``, ``120s``, ``2m``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ValueError(f"expected a duration such as 90s, 2m or 1h, got {value!r}")
+        seconds = float(match[1]) * _SECONDS_PER_UNIT[match[2] or "s"]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"expected a positive duration such as 90s, got {value!r}")
+    return seconds
+
+
+def format_bytes(n: float) -> str:
+    """Render a byte count with a binary unit: ``209715200`` → ``200.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(s: float) -> str:
+    """Render a step time: milliseconds below ten seconds."""
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+"""A pydantic field type for positive byte counts written as sizes."""
+
+Seconds = Annotated[float, BeforeValidator(parse_seconds)]
+"""A pydantic field type for positive durations."""

@@ -1,0 +1,136 @@
+"""Workloads: the training steps remat-search optimises, behind one small interface.
+
+A workload is a loss over repeated layers, its parameters, an example batch and an
+optimizer. From those, :class:`Workload` builds what the runner compiles: a donated
+training step (``step``) and the gradient function used to check a plan (``grad``).
+Built-in kinds are ``transformer`` and ``mlp``; a user workload is any subclass returned
+by the factory the spec names (``factory: "package.module:function"``).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from remat_search.errors import WorkloadError
+from remat_search.plan import RematPlan
+from remat_search.spec import FactoryConfig, MlpConfig, TransformerConfig, WorkloadConfig
+
+PyTree = Any
+
+
+class Workload(abc.ABC):
+    """A training step whose layers can be checkpointed by a :class:`RematPlan`.
+
+    Subclasses set ``name``, ``layers`` and ``tensor_names`` (the names the loss gives
+    tensors with ``jax.ad_checkpoint.checkpoint_name``, which ``names`` policies may keep)
+    and implement :meth:`init_params`, :meth:`make_batch` and :meth:`loss`.
+    """
+
+    name: str
+    layers: int
+    tensor_names: frozenset[str] = frozenset()
+
+    @abc.abstractmethod
+    def init_params(self, key: jax.Array) -> PyTree:
+        """Initial parameters."""
+
+    @abc.abstractmethod
+    def make_batch(self, key: jax.Array) -> PyTree:
+        """One example batch of inputs (and targets)."""
+
+    @abc.abstractmethod
+    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
+        """The scalar loss ``(params, batch) -> loss`` with each layer wrapped by ``plan``."""
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optimizer whose state the step carries (AdamW by default, as real runs use)."""
+        return optax.adamw(1e-3)
+
+    def inputs(self, seed: int = 0) -> tuple[PyTree, PyTree]:
+        """Concrete ``(state, batch)`` for the step, ``state = (params, opt_state)``.
+
+        Fresh arrays on every call (the step donates its state), from one compiled program.
+        """
+        if "_jitted_inputs" not in self.__dict__:
+            self._jitted_inputs = jax.jit(self._inputs)
+        return self._jitted_inputs(jax.random.key(seed))
+
+    def abstract_inputs(self) -> tuple[PyTree, PyTree]:
+        """Shapes and dtypes of :meth:`inputs`, for compiling without allocating."""
+        return jax.eval_shape(self._inputs, jax.random.key(0))
+
+    def _inputs(self, key: jax.Array) -> tuple[PyTree, PyTree]:
+        params_key, batch_key = jax.random.split(key)
+        params = self.init_params(params_key)
+        return (params, self.optimizer().init(params)), self.make_batch(batch_key)
+
+    def step(self, plan: RematPlan) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
+        """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``."""
+        loss_fn, opt = self.loss(plan), self.optimizer()
+
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
+            params, opt_state = state
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        return jax.jit(train_step, donate_argnums=0)
+
+    def grad(self, plan: RematPlan) -> Callable[[PyTree, PyTree], PyTree]:
+        """The jitted gradient of the loss under ``plan``, to check it against no remat."""
+        return jax.jit(jax.grad(self.loss(plan)))
+
+    def fingerprint(self) -> str:
+        """A hash of what the workload computes on: its name, layers, names and input shapes."""
+        shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], self.abstract_inputs())
+        text = json.dumps(
+            [type(self).__qualname__, self.name, self.layers, sorted(self.tensor_names),
+             jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, list))],
+            sort_keys=True,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_workload(config: WorkloadConfig) -> Workload:
+    """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`."""
+    if isinstance(config, TransformerConfig):
+        from remat_search.transformer import TransformerWorkload
+
+        return TransformerWorkload(config)
+    if isinstance(config, MlpConfig):
+        from remat_search.mlp import MlpWorkload
+
+        return MlpWorkload(config)
+    assert isinstance(config, FactoryConfig)
+    return _from_factory(config)
+
+
+def _from_factory(config: FactoryConfig) -> Workload:
+    module_name, function_name = config.factory.split(":")
+    where = f"workload.factory: {config.factory!r}"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's factory's
+        raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise WorkloadError(f"{where}: module {module_name!r} has no function {function_name!r}")
+    try:
+        workload = factory(**config.args)
+    except Exception as e:  # noqa: BLE001
+        raise WorkloadError(f"{where} raised {type(e).__name__}: {e}") from None
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"{where} returned {type(workload).__name__}, expected a remat_search.Workload"
+        )
+    if not isinstance(workload.layers, int) or workload.layers < 1:
+        raise WorkloadError(f"{where} returned a workload with layers={workload.layers!r}, expected ≥ 1")
+    return workload

@@ -1,0 +1,34 @@
+import pytest
+
+from remat_search.units import format_bytes, parse_bytes, parse_seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("200MiB", 200 * 2**20), ("16GiB", 16 * 2**30), ("80GB", 80 * 10**9), ("1.6e10", 16 * 10**9),
+     (1024, 1024), ("64 MiB", 64 * 2**20)],
+)
+def test_parse_bytes_accepts_sizes_and_numbers(text: object, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16 GiBs", "-1", 0, "abc", "", True, "inf", "nan"])
+def test_parse_bytes_rejects_with_the_expected_form(text: object) -> None:
+    with pytest.raises(ValueError, match="expected a positive size such as 200MiB"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("120s", 120.0), ("2m", 120.0), (3, 3.0), ("500ms", 0.5)])
+def test_parse_seconds(text: object, expected: float) -> None:
+    assert parse_seconds(text) == expected
+
+
+@pytest.mark.parametrize("text", ["soon", "-5s", 0, "10 parsecs"])
+def test_parse_seconds_rejects(text: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_seconds(text)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(200 * 2**20) == "200.0 MiB"
+    assert format_bytes(512) == "512 B"

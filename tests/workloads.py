@@ -1,0 +1,89 @@
+"""Workloads for the tests, loaded through the spec's ``factory:`` like a user's own.
+
+They are real JAX programs; what they add is observable behaviour: a record of every
+execution (to prove over-budget plans never run), a loss that raises, one that hangs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from remat_search.mlp import MlpWorkload
+from remat_search.plan import RematPlan
+from remat_search.spec import MlpConfig
+
+TINY_MLP = MlpConfig(kind="mlp", layers=3, width=64, hidden=256, batch=128)
+
+
+class RecordingMlp(MlpWorkload):
+    """An MLP whose loss appends the plan's digest to ``log`` each time it *executes*."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(TINY_MLP)
+        self.log = Path(log)
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+
+        def record() -> None:
+            with self.log.open("a") as f:
+                f.write(plan.digest + "\n")
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            jax.debug.callback(record)
+            return inner(params, batch)
+
+        return loss_fn
+
+
+class RaisingMlp(MlpWorkload):
+    """An MLP whose loss raises while being traced, as a broken model would."""
+
+    def loss(self, plan: RematPlan) -> Callable:
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            raise RuntimeError("this model is broken")
+
+        return loss_fn
+
+
+class HangingMlp(MlpWorkload):
+    """An MLP whose step sleeps far past any test timeout when it runs."""
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            jax.debug.callback(lambda: time.sleep(3600))
+            return inner(params, batch)
+
+        return loss_fn
+
+
+def recording(log: str) -> RecordingMlp:
+    return RecordingMlp(log)
+
+
+def raising() -> RaisingMlp:
+    return RaisingMlp(TINY_MLP)
+
+
+def hanging() -> HangingMlp:
+    return HangingMlp(TINY_MLP)
+
+
+def not_a_workload() -> dict:
+    return {"layers": 3}
+
+
+def failing_factory() -> None:
+    raise ValueError("factory needs a config file")
+
+
+def plain_function(x: jax.Array) -> jax.Array:
+    """Used to check that a plan read back from JSON wraps functions."""
+    return jnp.sin(x @ x.T)
