@@ -134,26 +134,37 @@ def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: in
 def _open_study(
     spec: SearchSpec, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
 ) -> optuna.Study:
+    """Load the spec's study, refusing one made by another spec; or create it with the presets."""
     identity = spec.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+    sampler = make_sampler(spec.sampler)
     existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    study = optuna.create_study(
-        study_name=spec.study, storage=storage, sampler=make_sampler(spec.sampler),
-        directions=["minimize", "minimize"], load_if_exists=True,
-    )
-    if spec.study not in existing:
+    if spec.study in existing:
+        study = optuna.load_study(study_name=spec.study, storage=storage, sampler=sampler)
+        if not study.user_attrs and not study.get_trials(deepcopy=False):
+            return _initialize(study, spec, identity, device, layers)  # killed while being created
         for key, value in identity.items():
-            study.set_user_attr(key, value)
-        study.set_user_attr("device", device.model_dump())
-        for params in preset_params(spec.space, layers):
-            study.enqueue_trial(params)
+            if study.user_attrs.get(key) != value:
+                raise SpecError(
+                    f"spec.{key}: study {spec.study!r} already exists with another {key} "
+                    f"({json.dumps(study.user_attrs.get(key))[:120]}); "
+                    "give this search a new study name"
+                )
         return study
+    study = optuna.create_study(
+        study_name=spec.study, storage=storage, sampler=sampler, directions=["minimize", "minimize"]
+    )
+    return _initialize(study, spec, identity, device, layers)
+
+
+def _initialize(
+    study: optuna.Study, spec: SearchSpec, identity: dict, device: DeviceInfo, layers: int
+) -> optuna.Study:
+    """Tie a new study to its spec and queue the uniform presets first."""
     for key, value in identity.items():
-        if study.user_attrs.get(key) != value:
-            raise SpecError(
-                f"spec.{key}: study {spec.study!r} already exists with another {key} "
-                f"({json.dumps(study.user_attrs.get(key))[:120]}); "
-                "give this search a new study name"
-            )
+        study.set_user_attr(key, value)
+    study.set_user_attr("device", device.model_dump())
+    for params in preset_params(spec.space, layers):
+        study.enqueue_trial(params)
     return study
 
 

@@ -21,24 +21,24 @@ TINY_MLP = MlpConfig(kind="mlp", layers=3, width=64, hidden=256, batch=128)
 
 
 class RecordingMlp(MlpWorkload):
-    """An MLP whose loss appends the plan's digest to ``log`` each time it *executes*."""
+    """An MLP whose training step appends the plan's digest to ``log`` each time it *runs*."""
 
     def __init__(self, log: str) -> None:
         super().__init__(TINY_MLP)
         self.log = Path(log)
 
-    def loss(self, plan: RematPlan) -> Callable:
-        inner = super().loss(plan)
+    def step(self, plan: RematPlan) -> Callable:
+        inner = super().step(plan)
 
         def record() -> None:
             with self.log.open("a") as f:
                 f.write(plan.digest + "\n")
 
-        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+        def recorded_step(state, batch):  # type: ignore[no-untyped-def]
             jax.debug.callback(record)
-            return inner(params, batch)
+            return inner(state, batch)
 
-        return loss_fn
+        return jax.jit(recorded_step, donate_argnums=0)
 
 
 class RaisingMlp(MlpWorkload):

@@ -1,0 +1,159 @@
+"""End to end through real worker processes and real SQLite files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import remat_search
+from remat_search import RematPlan
+from remat_search.measurement import measure
+from remat_search.spec import TimingConfig, parse_spec
+from remat_search.units import format_bytes
+
+from .conftest import FAST_TIMING, spec_dict, write_spec
+from .workloads import recording
+
+
+def _compiled_peak(workload: remat_search.Workload, policy: str) -> int:
+    """The compiled peak of a uniform plan, without running it (budget 1)."""
+    m = measure(workload, RematPlan.uniform(policy, workload.layers), budget=1,
+                timing=TimingConfig(), gradient_tolerance=1e-4, reference_grads=lambda: None)
+    assert m.status == "over_budget"
+    return m.peak_bytes
+
+
+def test_over_budget_plan_is_recorded_and_never_executed(tmp_path: Path, storage_url: str) -> None:
+    log = tmp_path / "executions.log"
+    workload = recording(str(log))
+    none_peak, full_peak = _compiled_peak(workload, "none"), _compiled_peak(workload, "full")
+    assert full_peak < none_peak and not log.exists()
+    spec = parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:recording", "args": {"log": str(log)}},
+        space={"layout": "uniform", "choices": ["none", "full"]},
+        budget=(none_peak + full_peak) // 2, trials=2,
+    ))
+    report = remat_search.run(spec)
+
+    by_label = {t.labels[0]: t for t in report.trials}
+    assert by_label["none"].status == "over_budget" and by_label["none"].peak_bytes == none_peak
+    assert by_label["full"].status == "measured"
+    executed = set(log.read_text().split())
+    assert by_label["full"].plan.digest in executed
+    assert by_label["none"].plan.digest not in executed  # compiled, never run
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    infeasible = next(t for t in study.trials if t.number == by_label["none"].number)
+    assert infeasible.state == TrialState.COMPLETE and infeasible.constraints["budget"] > 0
+    assert [t.number for t in report.front] == [by_label["full"].number]
+
+
+@pytest.mark.parametrize(
+    ("factory", "timeout", "reason"),
+    [("tests.workloads:raising", "120s", "this model is broken"),
+     ("tests.workloads:hanging", "3s", "timed out after 3 s")],
+)
+def test_a_failing_candidate_fails_its_trial_and_the_study_goes_on(
+    storage_url: str, factory: str, timeout: str, reason: str
+) -> None:
+    spec = parse_spec(spec_dict(
+        storage_url, workload={"factory": factory}, trials=2,
+        space={"layout": "uniform", "choices": ["full", "dots"]},
+        timing={**FAST_TIMING, "timeout": timeout},
+    ))
+    report = remat_search.run(spec)
+    assert [t.status for t in report.trials] == ["failed", "failed"]
+    assert all(reason in t.error for t in report.trials)
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, remat_search.StudyReport]:
+    """One finished per-layer study on the tiny transformer, shared by the query tests."""
+    folder = tmp_path_factory.mktemp("finished")
+    storage = f"sqlite:///{folder / 'studies.db'}"
+    spec_path = write_spec(folder / "spec.yaml", spec_dict(storage, trials=8))
+    report = remat_search.run(remat_search.load_spec(spec_path))
+    return storage, spec_path, report
+
+
+def test_presets_come_first_and_every_trial_is_accounted_for(finished) -> None:  # type: ignore[no-untyped-def]
+    _, _, report = finished
+    assert len(report.trials) == 8
+    assert [t.summary() for t in report.trials[:4]] == ["none×2", "full×2", "dots×2", "save_attn×2"]
+    assert {t.status for t in report.trials} <= {"measured", "over_budget"}
+
+
+def test_pareto_front_is_not_dominated(finished) -> None:  # type: ignore[no-untyped-def]
+    storage, _, report = finished
+    front = remat_search.pareto_front("tiny", storage)
+    assert front and [t.number for t in front] == [t.number for t in report.front]
+    timed = report.timed()
+    for f in front:
+        assert not any(
+            t.median_seconds <= f.median_seconds and t.peak_bytes <= f.peak_bytes
+            and (t.median_seconds, t.peak_bytes) != (f.median_seconds, f.peak_bytes)
+            for t in timed
+        )
+
+
+def test_best_is_the_fastest_timed_plan_that_fits(finished, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, _, report = finished
+    timed = report.timed()
+    budget = sorted(t.peak_bytes for t in timed)[len(timed) // 2]
+    expected = min((t for t in timed if t.peak_bytes <= budget), key=lambda t: t.median_seconds)
+    assert remat_search.best_plan("tiny", budget, storage).number == expected.number
+
+    result = cli("best", "--study", "tiny", "--budget", str(budget), "--storage", storage, "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = RematPlan.from_json(result.stdout)
+    assert plan == expected.plan
+
+    def layer(x: jax.Array) -> jax.Array:
+        return jnp.sin(x) * 2
+
+    for i, policy in enumerate(plan.layers):
+        eqns = jax.make_jaxpr(plan.wrap(layer, i))(jnp.ones(3)).eqns
+        assert any(e.primitive.name.startswith("remat") for e in eqns) == (policy.kind != "none")
+
+
+def test_best_when_nothing_fits_exits_1_and_names_the_smallest_peak(finished, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, _, report = finished
+    smallest = min(t.peak_bytes for t in report.trials)
+    result = cli("best", "--study", "tiny", "--budget", "1KiB", "--storage", storage)
+    assert result.exit_code == 1
+    assert "no measured plan" in result.stderr and format_bytes(smallest) in result.stderr
+
+
+def test_reports_from_the_cli(finished, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    storage, _, report = finished
+    result = cli("pareto", "--study", "tiny", "--storage", storage, "--json", "--plot", str(tmp_path / "front.png"))
+    assert result.exit_code == 0, result.stderr
+    assert [t["number"] for t in json.loads(result.stdout)] == [t.number for t in report.front]
+    assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+    assert "tiny" in cli("studies", "--storage", storage).stdout
+    shown = cli("show", "--study", "tiny", "--trial", "1", "--storage", storage).stdout
+    assert "layer  0: full" in shown and "peak" in shown
+
+
+def test_rerunning_a_finished_study_measures_nothing_more(finished) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, report = finished
+    again = remat_search.run(remat_search.load_spec(spec_path))
+    assert [t.number for t in again.trials] == [t.number for t in report.trials]
+
+
+def test_resuming_with_another_budget_is_refused(finished, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, _ = finished
+    db = Path(storage.removeprefix("sqlite:///"))
+    before = db.read_bytes()
+    changed = write_spec(spec_path.with_name("changed.yaml"), spec_dict(storage, trials=8, budget="2GiB"))
+    result = cli("run", str(changed))
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "spec.budget: study 'tiny' already exists" in result.stderr
+    assert db.read_bytes() == before
