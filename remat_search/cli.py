@@ -171,7 +171,7 @@ def best(
     if untimed:
         output.errors.print(
             f"note: {len(untimed)} plan(s) fit {format_bytes(limit)} but were never timed, being over the "
-            f"study's budget of {format_bytes(report.budget)}; search with --budget this size to time them"
+            f"study's budget of {format_bytes(report.budget)}; a study with a larger spec budget would time them"
         )
 
 

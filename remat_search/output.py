@@ -66,7 +66,11 @@ def describe_trial(t: TrialResult) -> str:
     """A multi-line account of one trial: per-layer plan and the whole measurement."""
     lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
     if t.plan:
-        lines += [f"  layer {i:2d}: {p}" for i, p in enumerate(t.plan.layers)]
+        labels = t.labels if len(t.labels) == len(t.plan.layers) else [""] * len(t.plan.layers)
+        lines += [
+            f"  layer {i:2d}: {label + ' = ' if label and label != str(p) else ''}{p}"
+            for i, (label, p) in enumerate(zip(labels, t.plan.layers, strict=True))
+        ]
         lines.append(f"  plan digest: {t.plan.digest}")
     m = t.measurement
     if m and m.memory:

@@ -160,8 +160,9 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
     ax.plot([t.peak_bytes / mib for t in front], [t.median_seconds * 1e3 for t in front],
             "o-", color="tab:blue", label="Pareto front")
     for t in timed:
-        if t.plan is not None and len(set(t.plan.layers)) == 1:
-            ax.annotate(str(t.plan.layers[0]), (t.peak_bytes / mib, t.median_seconds * 1e3),
+        if t.plan is not None and len(set(t.plan.layers)) == 1:  # a uniform preset: name it
+            ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
+                        (t.peak_bytes / mib, t.median_seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
     if over:
@@ -171,7 +172,8 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
         ax.axvline(report.budget / mib, color="tab:red", linestyle="--", label="budget")
     ax.set_xlabel("compiled peak memory (MiB)")
     ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"{report.study}: {report.device.get('device_kind', '')}")
+    ax.set_title(f"{report.study} on {report.device.get('platform', '?')} "
+                 f"({report.device.get('device_kind', '?')}): step time vs peak memory")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)

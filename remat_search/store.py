@@ -107,13 +107,16 @@ def translate_errors(url: str) -> Iterator[None]:
         yield
     except StorageError:
         raise
+    except (sqlalchemy.exc.NoSuchModuleError, ModuleNotFoundError) as e:
+        raise StorageError(
+            f"storage: {shown!r} needs a database driver that is not installed ({e}); "
+            "for PostgreSQL: pip install psycopg2-binary"
+        ) from None
     except sqlalchemy.exc.ArgumentError:
         raise StorageError(
             f"storage: {shown!r} is not a database URL; expected e.g. "
             f"{DEFAULT_STORAGE} or postgresql://user@host/db"
         ) from None
-    except (sqlalchemy.exc.NoSuchModuleError, ModuleNotFoundError) as e:
-        raise StorageError(f"storage: {shown!r} needs a database driver that is not installed ({e})") from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise StorageError(f"storage: cannot use {shown!r} ({reason})") from None

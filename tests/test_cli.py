@@ -1,0 +1,97 @@
+"""Bad input: one line naming the field, exit code 2, and nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import spec_dict, write_spec
+
+
+def _assert_rejected(result: Any, field: str, folder: Path) -> None:
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert field in result.stderr, result.stderr
+    assert not list(folder.glob("*.db*")), "a database was written for bad input"
+
+
+BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown key", {"budgett": "1GiB"}, "spec.budgett: unknown key"),
+    ("unknown policy", {"space": {"choices": ["fulll"]}}, "spec.space.choices.0: unknown policy 'fulll'"),
+    ("unknown tensor", {"space": {"choices": ["full", {"label": "x", "names": ["qkv_typo"]}]}},
+     "spec.space.choices.1: unknown tensor name(s) ['qkv_typo']"),
+    ("budget with a bad unit", {"budget": "16 GiBs"}, "spec.budget: expected a positive size"),
+    ("negative budget", {"budget": -1}, "spec.budget: expected a positive size"),
+    ("no trials", {"trials": 0}, "spec.trials"),
+    ("bad study name", {"study": "my study"}, "spec.study: expected a study name"),
+    ("unknown workload kind", {"workload": {"kind": "cnn"}}, "spec.workload: expected kind"),
+    ("heads do not divide", {"workload": {**spec_dict("x")["workload"], "heads": 3}}, "spec.workload"),
+    ("factory does not import", {"workload": {"factory": "no_such_module:make"}},
+     "workload.factory: 'no_such_module:make' does not import"),
+    ("factory returns no workload", {"workload": {"factory": "tests.workloads:not_a_workload"}},
+     "returned dict, expected a remat_search.Workload"),
+    ("factory raises", {"workload": {"factory": "tests.workloads:failing_factory"}},
+     "raised ValueError: factory needs a config file"),
+    ("missing function", {"workload": {"factory": "tests.workloads:nope"}}, "has no function 'nope'"),
+    ("offload on cpu", {"space": {"choices": ["full", {"label": "off", "offload": ["context"]}]}},
+     "needs a GPU or TPU"),
+    ("timeout", {"timing": {"timeout": "soon"}}, "spec.timing.timeout"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "field"), BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_is_rejected(cli, tmp_path: Path, storage_url: str, case: str, change: dict, field: str) -> None:  # type: ignore[no-untyped-def]
+    spec = spec_dict(storage_url)
+    spec.update(change)
+    _assert_rejected(cli("run", str(write_spec(tmp_path / "spec.yaml", spec))), field, tmp_path)
+
+
+def test_malformed_yaml_and_missing_file(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("study: demo\nspace: [unclosed\n")
+    _assert_rejected(cli("run", str(bad)), "is not valid YAML at line", tmp_path)
+    _assert_rejected(cli("run", str(tmp_path / "missing.yaml")), "spec: cannot read", tmp_path)
+    bad.write_text("- just\n- a list\n")
+    _assert_rejected(cli("run", str(bad)), "must be a YAML mapping", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [("sqlite:////no/such/dir/studies.db", "directory '/no/such/dir'"),
+     ("not a url", "is not a database URL"),
+     ("nosuchdb://host/db", "needs a database driver"),
+     ("sqlite://", "is in memory")],
+)
+def test_bad_storage_url_is_rejected(cli, tmp_path: Path, storage_url: str, url: str, field: str) -> None:  # type: ignore[no-untyped-def]
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url))
+    _assert_rejected(cli("run", str(spec), "--storage", url), f"storage: {field}" if "directory" in field else field, tmp_path)
+
+
+def test_storage_comes_from_flag_then_environment_then_spec(cli, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(f"sqlite:///{tmp_path / 'spec.db'}"))
+    monkeypatch.setenv("REMAT_SEARCH_STORAGE", "sqlite:////no/such/env/dir/x.db")
+    _assert_rejected(cli("run", str(spec)), "'/no/such/env/dir'", tmp_path)
+    _assert_rejected(cli("run", str(spec), "--storage", "sqlite:////no/flag/x.db"), "'/no/flag'", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["best", "--study", "tiny", "--budget", "16 GiBs"], "--budget: expected a positive size"),
+     (["best", "--study", "tiny", "--budget", "-1"], "--budget"),
+     (["best", "--study", "bad name", "--budget", "1GiB"], "--study: expected a study name"),
+     (["pareto", "--study", "tiny"], "storage: no database at"),
+     (["show", "--study", "tiny"], "storage: no database at"),
+     (["studies"], "storage: no database at")],
+)
+def test_queries_reject_bad_flags_and_write_nothing(cli, tmp_path: Path, storage_url: str, args: list[str], field: str) -> None:  # type: ignore[no-untyped-def]
+    _assert_rejected(cli(*args, "--storage", storage_url), field, tmp_path)
+
+
+def test_help_teaches(cli) -> None:  # type: ignore[no-untyped-def]
+    result = cli("--help")
+    assert result.exit_code == 0
+    for command in ("run", "pareto", "best", "studies", "show"):
+        assert command in result.stdout
+    assert "14GiB" in cli("best", "--help").stdout

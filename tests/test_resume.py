@@ -1,0 +1,57 @@
+"""Kill -9 a running search and run it again: it resumes and finishes, losing nothing."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from remat_search.store import FAILURE_ATTR, INTERRUPTED
+
+from .conftest import run_process, spec_dict, write_spec
+
+
+def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name="tiny", storage=storage).trials
+    except KeyError:
+        return []
+
+
+def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storage_url: str) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, trials=6))
+    search = run_process("run", str(spec))
+    deadline = time.monotonic() + 300
+    while True:  # wait until some trials are complete and one is being measured
+        assert search.poll() is None, search.communicate()[0]
+        assert time.monotonic() < deadline, "the search made no progress"
+        trials = _trials(storage_url) if Path(storage_url.removeprefix("sqlite:///")).exists() else []
+        states = [t.state for t in trials]
+        if states.count(TrialState.COMPLETE) >= 2 and TrialState.RUNNING in states:
+            break
+        time.sleep(0.2)
+    search.send_signal(signal.SIGKILL)
+    search.communicate()  # reap it and close its pipe
+    killed = _trials(storage_url)
+    running = [t for t in killed if t.state == TrialState.RUNNING]
+    complete_before = {t.number: t.values for t in killed if t.state == TrialState.COMPLETE}
+    assert len(running) == 1 and len(complete_before) >= 2
+
+    resumed = run_process("run", str(spec))
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log
+
+    after = _trials(storage_url)
+    states = [t.state for t in after]
+    assert states.count(TrialState.COMPLETE) == 6
+    assert TrialState.RUNNING not in states and TrialState.WAITING not in states
+    for number, values in complete_before.items():  # no complete trial lost or changed
+        assert after[number].state == TrialState.COMPLETE and after[number].values == values
+    interrupted = after[running[0].number]
+    assert interrupted.state == TrialState.FAIL and interrupted.user_attrs[FAILURE_ATTR] == INTERRUPTED
+    if interrupted.params:  # its plan was queued again and measured after the restart
+        assert any(t.params == interrupted.params and t.state == TrialState.COMPLETE
+                   for t in after[interrupted.number + 1:])
