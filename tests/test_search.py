@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import jax
@@ -84,7 +85,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, remat
 
 
 def test_presets_come_first_and_every_trial_is_accounted_for(finished) -> None:  # type: ignore[no-untyped-def]
-    _, _, report = finished
+    storage, _, report = finished
+    with sqlite3.connect(storage.removeprefix("sqlite:///")) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert len(report.trials) == 8
     assert [t.summary() for t in report.trials[:4]] == ["none×2", "full×2", "dots×2", "save_attn×2"]
     assert {t.status for t in report.trials} <= {"measured", "over_budget"}
