@@ -109,19 +109,21 @@ def run(
             if last is None:
                 progress.console.print(
                     f"study [bold]{loaded.study}[/]: {done}/{total} trials done; compiling for "
-                    f"{device.platform} ({device.device_kind}), budget {format_bytes(loaded.budget)}"
+                    f"{device.target} = {device.device_count}× {device.device_kind}"
+                    + (f", mesh {device.mesh}" if device.mesh else "")
+                    + ("" if device.executes else " (compile only: step times are roofline estimates)")
                 )
             elif last.status == "failed":
                 progress.console.print(f"[red]trial {last.number} failed:[/] {last.error.splitlines()[0]}")
-            if last is not None and last.status == "measured" and last.measurement.median_seconds:
-                best.append(last.measurement.median_seconds)
+            if last is not None and last.status == "measured" and last.step_seconds is not None:
+                best.append(last.step_seconds)
             so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
             progress.update(task, completed=done, description=f"searching · {so_far}")
 
         report = run_search(loaded, on_progress=on_progress)
     output.console.print(output.front_table(report))
     output.console.print(
-        f"{report.count('measured')} timed, {report.count('over_budget')} over budget (never run), "
+        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
         f"--budget {format_bytes(report.budget).replace(' ', '')} --json > plan.json"
     )

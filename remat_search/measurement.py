@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from remat_search.plan import RematPlan
 from remat_search.spec import TimingConfig
+from remat_search.target import Chip, out_of_memory, roofline_seconds
 
 Status = Literal["measured", "over_budget", "failed"]
 
@@ -43,25 +44,37 @@ class MemoryBreakdown(BaseModel):
     host_output: int = 0
     host_alias: int = 0
     host_temp: int = 0
-    compiler_peak: int = 0
-    """``peak_memory_in_bytes``: populated on TPU/GPU, a constant on CPU (not used there)."""
+    compiler_peak: int | None = None
+    """``peak_memory_in_bytes``: reported on TPU (and GPU); on CPU a constant, so not kept."""
 
     @classmethod
-    def of(cls, compiled: Any) -> MemoryBreakdown:
+    def of(cls, compiled: Any, *, trust_compiler_peak: bool) -> MemoryBreakdown:
         """Read the breakdown of a ``jax.stages.Compiled``."""
         m = compiled.memory_analysis()
         fields = ("argument", "output", "alias", "temp", "generated_code")
         return cls(
             **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
             **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes")) for f in fields[:4]},
-            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if trust_compiler_peak else None,
         )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
+    def breakdown_sum(self) -> int:
+        """argument + output − alias + temp + generated code."""
+        return self.argument + self.output - self.alias + self.temp + self.generated_code
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def peak(self) -> int:
-        """Peak device bytes of one step: argument + output − alias + temp."""
-        return self.argument + self.output - self.alias + self.temp
+        """Peak device bytes of one step: the larger of the breakdown sum and the compiler's peak."""
+        return max(self.breakdown_sum, self.compiler_peak or 0)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def peak_source(self) -> Literal["breakdown_sum", "compiler_peak"]:
+        """Which figure :attr:`peak` is (the budget is checked against the larger)."""
+        return "compiler_peak" if (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
 
 
 class Measurement(BaseModel):
@@ -72,32 +85,46 @@ class Measurement(BaseModel):
     status: Status
     plan_digest: str
     memory: MemoryBreakdown | None = None
+    oom_required_bytes: int | None = None
+    """From the compiler's own out-of-memory error (TPU): bytes its temporaries need…"""
+    oom_available_bytes: int | None = None
+    """…and the HBM it had for them."""
     flops: float | None = None
+    bytes_accessed: float | None = None
     compile_seconds: float | None = None
-    step_seconds: tuple[float, ...] = ()
+    time_source: Literal["measured", "estimated"] | None = None
+    step_times: tuple[float, ...] = ()
+    """Seconds of each timed repeat (measured on the local device)."""
+    estimated_seconds: float | None = None
+    """Roofline estimate of one step, for targets where nothing runs."""
     grad_max_abs_error: float | None = None
     grad_rel_error: float | None = None
     error: str | None = None
 
     @property
     def peak_bytes(self) -> int | None:
-        """Peak device bytes, or None when the compile did not get that far."""
-        return self.memory.peak if self.memory else None
+        """Peak device bytes (per chip), or None when the compile did not get that far."""
+        return self.memory.peak if self.memory else self.oom_required_bytes
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The step time the study ranks by: the measured median, or the estimate."""
+        return self.median_seconds if self.step_times else self.estimated_seconds
 
     @property
     def median_seconds(self) -> float | None:
-        return statistics.median(self.step_seconds) if self.step_seconds else None
+        return statistics.median(self.step_times) if self.step_times else None
 
     @property
     def min_seconds(self) -> float | None:
-        return min(self.step_seconds) if self.step_seconds else None
+        return min(self.step_times) if self.step_times else None
 
     @property
     def spread(self) -> float | None:
         """(max − min) / median of the timed repeats: how far to trust the median."""
-        if not self.step_seconds:
+        if not self.step_times:
             return None
-        return (max(self.step_seconds) - min(self.step_seconds)) / statistics.median(self.step_seconds)
+        return (max(self.step_times) - min(self.step_times)) / statistics.median(self.step_times)
 
 
 def measure(
@@ -108,27 +135,48 @@ def measure(
     timing: TimingConfig,
     gradient_tolerance: float,
     reference_grads: Callable[[], Any],
+    mesh: Any = None,
+    chip: Chip | None = None,
 ) -> Measurement:
     """Compile ``plan`` for ``workload``; run, check and time it only if it fits ``budget``.
 
+    Over a ``mesh`` inputs are sharded and memory is per device. With a ``chip`` (a TPU
+    target compiled ahead of time) nothing runs: the step time is a roofline estimate.
     ``reference_grads`` returns the no-remat gradients (computed once, when first needed).
-    Exceptions propagate: the worker turns them into a failed measurement with the reason.
+    Exceptions other than the compiler's out-of-memory propagate: the worker turns them
+    into a failed measurement with the reason.
     """
     import jax
 
-    cpu = jax.default_backend() == "cpu"
+    cpu = chip is None and jax.default_backend() == "cpu"
     start = time.perf_counter()
-    compiled = workload.step(plan).lower(*workload.abstract_inputs()).compile(
-        compiler_options=CPU_COMPILER_OPTIONS if cpu else None
-    )
+    step = workload.step(plan) if mesh is None else workload.step(plan, mesh)
+    try:
+        compiled = step.lower(*workload.abstract_inputs(mesh)).compile(
+            compiler_options=CPU_COMPILER_OPTIONS if cpu else None
+        )
+    except Exception as e:
+        oom = out_of_memory(e)
+        if oom is None:
+            raise
+        return Measurement(
+            status="over_budget", plan_digest=plan.digest, compile_seconds=time.perf_counter() - start,
+            oom_required_bytes=oom[0], oom_available_bytes=oom[1],
+        )
+    cost = _cost(compiled)
     seen: dict[str, Any] = {
         "plan_digest": plan.digest,
         "compile_seconds": time.perf_counter() - start,
-        "memory": MemoryBreakdown.of(compiled),
-        "flops": _flops(compiled),
+        "memory": MemoryBreakdown.of(compiled, trust_compiler_peak=not cpu),
+        "flops": cost.get("flops"),
+        "bytes_accessed": cost.get("bytes accessed"),
     }
     if seen["memory"].peak > budget:
         return Measurement(status="over_budget", **seen)
+    if chip is not None:
+        return Measurement(
+            status="measured", time_source="estimated", estimated_seconds=roofline_seconds(cost, chip), **seen
+        )
 
     state, batch = workload.inputs()
     abs_error, rel_error = gradient_error(_gradients(workload, plan, state[0], batch), reference_grads())
@@ -141,6 +189,8 @@ def measure(
             **seen,
         )
 
+    if mesh is not None:
+        state, batch = jax.device_put((state, batch), workload.shardings(mesh))
     times = []
     for i in range(timing.warmup + timing.repeats):
         t0 = time.perf_counter()
@@ -150,7 +200,7 @@ def measure(
             times.append(time.perf_counter() - t0)
     if not math.isfinite(float(loss)):
         return Measurement(status="failed", error=f"loss is {float(loss)} after the timed steps", **seen)
-    return Measurement(status="measured", step_seconds=tuple(times), **seen)
+    return Measurement(status="measured", time_source="measured", step_times=tuple(times), **seen)
 
 
 def reference_gradients(workload: Any) -> Any:
@@ -180,8 +230,9 @@ def _gradients(workload: Any, plan: RematPlan, params: Any, batch: Any) -> Any:
     return grad_fn(params, batch)
 
 
-def _flops(compiled: Any) -> float | None:
+def _cost(compiled: Any) -> dict[str, float]:
+    """FLOPs and bytes accessed of one device's program (recomputation included)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older JAX returns one dict per device program
-        cost = cost[0] if cost else None
-    return float(cost["flops"]) if cost and "flops" in cost else None
+        cost = cost[0] if cost else {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if cost and k in cost}

@@ -20,7 +20,7 @@ _STATUS_STYLE = {"measured": "green", "over_budget": "yellow", "failed": "red", 
 def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
     """One row a trial: plan, peak, median step time with its spread, FLOPs, status."""
     table = Table(title=title, title_justify="left")
-    for column in ("trial", "plan", "peak", "step (median)", "spread", "GFLOP", "status"):
+    for column in ("trial", "plan", "peak", "step", "spread", "GFLOP", "status"):
         table.add_column(column, justify="right" if column not in ("plan", "status") else "left")
     for t in trials:
         m = t.measurement
@@ -34,12 +34,19 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             str(t.number),
             t.summary(),
             peak,
-            format_seconds(t.median_seconds) if t.median_seconds is not None else "—",
+            _step(t),
             f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
             f"{m.flops / 1e9:.2f}" if m and m.flops is not None else "—",
             f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
         )
     return table
+
+
+def _step(t: TrialResult) -> str:
+    if t.step_seconds is None:
+        return "—"
+    estimated = t.measurement is not None and t.measurement.time_source == "estimated"
+    return format_seconds(t.step_seconds) + (" (est.)" if estimated else "")
 
 
 def front_table(report: StudyReport) -> Table:
@@ -83,10 +90,20 @@ def describe_trial(t: TrialResult) -> str:
         if host:
             lines.append(f"  host (pinned) memory: {format_bytes(host)}")
         lines.append(f"  compile {m.compile_seconds:.2f} s, {m.flops / 1e9:.2f} GFLOP" if m.flops else "")
-    if m and m.step_seconds:
+    if m and m.estimated_seconds is not None:
+        lines.append(
+            f"  step: estimated {format_seconds(m.estimated_seconds)} (roofline of {m.flops / 1e9:.1f} GFLOP and "
+            f"{(m.bytes_accessed or 0) / 1e9:.2f} GB of HBM traffic per chip; nothing was run)"
+        )
+    if m and m.oom_required_bytes is not None:
+        lines.append(
+            f"  the compiler ran out of memory: temporaries need {format_bytes(m.oom_required_bytes)}, "
+            f"{format_bytes(m.oom_available_bytes or 0)} available"
+        )
+    if m and m.step_times:
         lines.append(
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
-            f"spread {m.spread:.0%} over {len(m.step_seconds)} repeats"
+            f"spread {m.spread:.0%} over {len(m.step_times)} repeats"
         )
     if m and m.grad_rel_error is not None:
         lines.append(f"  gradients vs no remat: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")

@@ -49,7 +49,7 @@ class StudyReport(BaseModel):
         """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`."""
         fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
         if fitting:
-            return min(fitting, key=lambda t: (t.median_seconds, t.peak_bytes, t.number))
+            return min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
         peaks = [t for t in self.trials if t.peak_bytes is not None]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
@@ -154,15 +154,15 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
     mib = 2**20
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     timed = report.timed()
-    ax.scatter([t.peak_bytes / mib for t in timed], [t.median_seconds * 1e3 for t in timed],
+    ax.scatter([t.peak_bytes / mib for t in timed], [t.step_seconds * 1e3 for t in timed],
                s=18, color="0.6", label="timed plans")
-    front = [t for t in report.front if t.median_seconds is not None]
-    ax.plot([t.peak_bytes / mib for t in front], [t.median_seconds * 1e3 for t in front],
+    front = [t for t in report.front if t.step_seconds is not None]
+    ax.plot([t.peak_bytes / mib for t in front], [t.step_seconds * 1e3 for t in front],
             "o-", color="tab:blue", label="Pareto front")
     for t in timed:
         if t.plan is not None and len(set(t.plan.layers)) == 1:  # a uniform preset: name it
             ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
-                        (t.peak_bytes / mib, t.median_seconds * 1e3),
+                        (t.peak_bytes / mib, t.step_seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
     if over:

@@ -20,22 +20,30 @@ from multiprocessing.connection import Connection
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import WorkloadError
+from remat_search.errors import SpecError, WorkloadError
 from remat_search.measurement import Measurement, measure, reference_gradients
 from remat_search.plan import RematPlan
-from remat_search.spec import TimingConfig, WorkloadConfig
+from remat_search.spec import Target, TimingConfig, WorkloadConfig
+from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
 
 STARTUP_TIMEOUT = 300.0
 
 
 class DeviceInfo(BaseModel):
-    """What the worker's JAX sees: where plans are compiled and timed."""
+    """What plans are compiled for, as the worker's JAX sees it."""
 
     model_config = ConfigDict(frozen=True)
 
+    target: str
+    """``local`` or the TPU topology."""
     platform: str
     device_kind: str
     device_count: int
+    mesh: dict[str, int] | None
+    memory_limit: int | None
+    """Usable memory per device as its compiler or runtime reports it (None on CPU)."""
+    executes: bool
+    """Whether plans run here (local) or are only compiled (a TPU target from elsewhere)."""
     jax_version: str
     workload_fingerprint: str
 
@@ -46,8 +54,16 @@ class Runner:
     Use as a context manager; :meth:`measure` never raises for a bad candidate.
     """
 
-    def __init__(self, workload: WorkloadConfig, *, timeout: float) -> None:
+    def __init__(
+        self,
+        workload: WorkloadConfig,
+        *,
+        timeout: float,
+        target: Target = "local",
+        mesh: dict[str, int] | None = None,
+    ) -> None:
         self._workload = workload
+        self._where = (target, mesh)
         self._timeout = timeout
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -105,7 +121,7 @@ class Runner:
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child_conn, self._workload, os.getpid()),
+            target=_serve, args=(child_conn, self._workload, self._where, os.getpid()),
             name="remat-search-worker", daemon=True,
         )
         self._process.start()
@@ -120,6 +136,9 @@ class Runner:
             reason = self._death_reason()
             self.close()
             raise WorkloadError(f"workload: the worker could not start ({reason})") from None
+        if kind == "spec_error":
+            self.close()
+            raise SpecError(payload)
         if kind == "error":
             self.close()
             raise WorkloadError(f"workload: the worker could not build it ({payload})")
@@ -134,21 +153,39 @@ class Runner:
         return f"worker died (exit code {code})"
 
 
-def _serve(conn: Connection, workload_config: WorkloadConfig, parent_pid: int) -> None:
+def _serve(
+    conn: Connection,
+    workload_config: WorkloadConfig,
+    where: tuple[Target, dict[str, int] | None],
+    parent_pid: int,
+) -> None:
     """The worker's loop: build the workload once, then measure plan after plan."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    target, mesh_axes = where
     try:
         import jax
 
         from remat_search.workload import build_workload
 
         workload = build_workload(workload_config)
-        device = jax.devices()[0]
+        devices = target_devices(target)
+        chip = chip_of(target)
+        mesh = make_mesh(devices, mesh_axes) if chip is not None or mesh_axes else None
+        if mesh is not None:
+            workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         info = DeviceInfo(
-            platform=device.platform, device_kind=device.device_kind,
-            device_count=jax.device_count(), jax_version=jax.__version__,
+            target=target if isinstance(target, str) else target.topology,
+            platform=devices[0].platform, device_kind=devices[0].device_kind,
+            device_count=len(devices), mesh=dict(mesh.shape) if mesh is not None else None,
+            memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
+            executes=chip is None, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
         )
+    except SpecError as e:
+        conn.send(("spec_error", str(e)))
+        return
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -163,11 +200,21 @@ def _serve(conn: Connection, workload_config: WorkloadConfig, parent_pid: int) -
             m = measure(
                 workload, RematPlan.model_validate_json(plan_json), budget=budget,
                 timing=timing, gradient_tolerance=tolerance, reference_grads=reference,
+                mesh=mesh, chip=chip,
             )
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             where = traceback.extract_tb(e.__traceback__)[-1]
             conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
+
+
+def _local_memory_limit(device: object) -> int | None:
+    """A GPU's or TPU's usable memory from its runtime; None where it reports none (CPU)."""
+    try:
+        stats = device.memory_stats()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -39,12 +39,13 @@ from remat_search.store import (
     translate_errors,
     trial_result,
 )
+from remat_search.units import format_bytes
 from remat_search.workload import build_workload
 
 BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 # Fields a study is tied to: resuming with others would mix incomparable trials.
-IDENTITY_FIELDS = ("workload", "space", "budget")
+IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
@@ -57,7 +58,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     """
     workload = build_workload(spec.workload)
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
-    with Runner(spec.workload, timeout=spec.timing.timeout) as runner:
+    with Runner(spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh) as runner:
         device = runner.describe()
         offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
         if offload and device.platform == "cpu":
@@ -65,9 +66,10 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
                 "this machine compiles for cpu"
             )
+        budget = resolve_budget(spec.budget, device)
         storage = open_storage(spec.storage, create=True)
         with translate_errors(spec.storage):
-            study = _open_study(spec, storage, device, workload.layers)
+            study = _open_study(spec, budget, storage, device, workload.layers)
             _requeue_interrupted(study)
             done = _finished(study)
             if on_progress:
@@ -78,15 +80,34 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 if (m := trial_result(t).measurement) is not None
             }
             while done < spec.trials:
-                result = _run_trial(spec, study, runner, workload.layers, measured)
+                result = _run_trial(spec, budget, study, runner, workload.layers, measured)
                 done += 1
                 if on_progress:
                     on_progress(done, spec.trials, result, device)
         return study_report(study)
 
 
+def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
+    """The spec's budget, checked against the device's memory; that memory if none is given."""
+    limit = device.memory_limit
+    if budget is None:
+        if limit is None:
+            raise SpecError(
+                f"spec.budget: required here: {device.platform} reports no memory limit "
+                "(give one such as 200MiB or 16GiB)"
+            )
+        return limit
+    if limit is not None and budget > limit:
+        raise SpecError(
+            f"spec.budget: {format_bytes(budget)} is more than the {format_bytes(limit)} a "
+            f"{device.device_kind} device has for a program; leave budget out to use all of it"
+        )
+    return budget
+
+
 def _run_trial(
     spec: SearchSpec,
+    budget: int,
     study: optuna.Study,
     runner: Runner,
     layers: int,
@@ -105,10 +126,8 @@ def _run_trial(
         reused_from, m = measured[plan.digest]
         trial.set_user_attr(REUSED_ATTR, reused_from)
     else:
-        m = runner.measure(
-            plan, budget=spec.budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance
-        )
-    _record(study, trial, m, spec.budget)
+        m = runner.measure(plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
+    _record(study, trial, m, budget)
     if m.status != "failed":
         measured.setdefault(plan.digest, (trial.number, m))
     return TrialResult(
@@ -126,16 +145,16 @@ def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: in
         study.tell(trial, state=TrialState.FAIL)
         return
     assert m.peak_bytes is not None
-    seconds = m.median_seconds if m.status == "measured" else math.inf  # never run: no time
+    seconds = m.step_seconds if m.status == "measured" else math.inf  # never run: no time
     trial.set_constraint(BUDGET_CONSTRAINT, m.peak_bytes / budget - 1.0)
     study.tell(trial, [seconds, float(m.peak_bytes)])
 
 
 def _open_study(
-    spec: SearchSpec, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
+    spec: SearchSpec, budget: int, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
 ) -> optuna.Study:
     """Load the spec's study, refusing one made by another spec; or create it with the presets."""
-    identity = spec.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+    identity = {**spec.model_dump(mode="json", include=set(IDENTITY_FIELDS)), "budget": budget}
     sampler = make_sampler(spec.sampler)
     existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     if spec.study in existing:

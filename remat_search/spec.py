@@ -53,6 +53,8 @@ class TransformerConfig(_Frozen):
     seq_len: PositiveInt
     batch: PositiveInt
     vocab: PositiveInt
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameters and activations (bf16 as real TPU runs use; the loss is taken in f32)."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TransformerConfig:
@@ -164,6 +166,39 @@ class SamplerConfig(_Frozen):
     seed: int | None = 0
 
 
+class TpuTarget(_Frozen):
+    """A TPU slice compiled ahead of time with the real TPU compiler (libtpu), from any host."""
+
+    platform: Literal["tpu"]
+    topology: str
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_name(cls, value: str) -> str:
+        if not re.fullmatch(r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", value):
+            raise ValueError(f"expected a TPU topology such as v5e:2x4 or v5p:2x2x1, got {value!r}")
+        return value
+
+
+def _target_tag(value: Any) -> str | None:
+    if value == "local":
+        return "local"
+    return "tpu" if isinstance(value, (dict, TpuTarget)) else None
+
+
+Target = Annotated[
+    Annotated[Literal["local"], Tag("local")] | Annotated[TpuTarget, Tag("tpu")],
+    Discriminator(
+        _target_tag,
+        custom_error_type="target",
+        custom_error_message="expected local or {platform: tpu, topology: v5e:2x4}",
+    ),
+]
+"""``local``: compile, run and time on the devices this process sees; or a TPU topology."""
+
+MESH_AXES = ("data", "fsdp")
+
+
 class TimingConfig(_Frozen):
     """How a candidate that fits is timed, and how long it may take in all."""
 
@@ -179,8 +214,13 @@ class SearchSpec(_Frozen):
     storage: str = DEFAULT_STORAGE
     workload: WorkloadConfig
     space: SpaceConfig
-    budget: Bytes
+    budget: Bytes | None = None
+    """Peak bytes per chip; default (TPU targets, GPUs): the chip's memory as the compiler sees it."""
     trials: PositiveInt
+    target: Target = "local"
+    mesh: dict[Literal["data", "fsdp"], PositiveInt] | None = None
+    """Device mesh, e.g. ``{data: 2, fsdp: 4}``: batch over both axes, parameters and optimizer
+    state sharded over ``fsdp``. Default: all devices on ``data``."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     gradient_tolerance: PositiveFloat = 1e-3
@@ -238,7 +278,7 @@ def describe_validation_error(e: ValidationError, *, prefix: str) -> str:
     loc = ".".join(
         str(p)
         for i, p in enumerate(first["loc"])
-        if not (i == 1 and first["loc"][0] == "workload" and p in _WORKLOAD_TAGS)
+        if not (i == 1 and first["loc"][0] in ("workload", "target") and p in _TAGS)
         and not str(p).startswith("function-")
     )
     message = first["msg"].removeprefix("Value error, ")
@@ -252,4 +292,4 @@ def describe_validation_error(e: ValidationError, *, prefix: str) -> str:
     return f"{prefix}.{loc}: {message}{more}" if loc else f"{prefix}: {message}{more}"
 
 
-_WORKLOAD_TAGS = ("transformer", "mlp", "factory")
+_TAGS = ("transformer", "mlp", "factory", "tpu", "local")

@@ -61,8 +61,9 @@ class TrialResult(BaseModel):
         return self.plan.summary(self.labels if len(self.labels) == len(self.plan.layers) else None)
 
     @property
-    def median_seconds(self) -> float | None:
-        return self.measurement.median_seconds if self.measurement else None
+    def step_seconds(self) -> float | None:
+        """Measured median step time, or the estimate where nothing ran."""
+        return self.measurement.step_seconds if self.measurement else None
 
 
 def resolve_url(url: str | None) -> str:

@@ -34,22 +34,26 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
+        dt = jnp.dtype(c.dtype)
         head_dim = c.d_model // c.heads
-        h = nn.RMSNorm(name="attn_norm")(x)
+        h = nn.RMSNorm(name="attn_norm", dtype=dt, param_dtype=dt)(x)
         q, k, v = (
-            checkpoint_name(nn.DenseGeneral((c.heads, head_dim), use_bias=False, name=n)(h), f"{n}_proj")
+            checkpoint_name(
+                nn.DenseGeneral((c.heads, head_dim), use_bias=False, dtype=dt, param_dtype=dt, name=n)(h),
+                f"{n}_proj",
+            )
             for n in ("query", "key", "value")
         )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
         context = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", weights, v), "context")
-        out = nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=False, name="out")(context)
+        out = nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=False, dtype=dt, param_dtype=dt, name="out")(context)
         x = x + checkpoint_name(out, "out_proj")
-        h = nn.RMSNorm(name="mlp_norm")(x)
-        h = checkpoint_name(nn.Dense(c.d_ff, use_bias=False, name="wi")(h), "mlpwi")
-        h = checkpoint_name(nn.Dense(c.d_model, use_bias=False, name="wo")(nn.gelu(h)), "mlpwo")
-        return x + h
+        h = nn.RMSNorm(name="mlp_norm", dtype=dt, param_dtype=dt)(x)
+        h = checkpoint_name(nn.Dense(c.d_ff, use_bias=False, dtype=dt, param_dtype=dt, name="wi")(h), "mlpwi")
+        h = nn.Dense(c.d_model, use_bias=False, dtype=dt, param_dtype=dt, name="wo")(nn.gelu(h))
+        return x + checkpoint_name(h, "mlpwo")
 
 
 class Decoder(nn.Module):
@@ -61,11 +65,12 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        x = nn.Embed(c.vocab, c.d_model, name="embed")(tokens)
+        dt = jnp.dtype(c.dtype)
+        x = nn.Embed(c.vocab, c.d_model, dtype=dt, param_dtype=dt, name="embed")(tokens)
         for i in range(c.layers):
             x = self.plan.remat_module(Block, i)(c, name=f"layer_{i}")(x)
-        x = nn.RMSNorm(name="final_norm")(x)
-        return nn.Dense(c.vocab, use_bias=False, name="logits")(x)
+        x = nn.RMSNorm(name="final_norm", dtype=dt, param_dtype=dt)(x)
+        return nn.Dense(c.vocab, use_bias=False, dtype=dt, param_dtype=dt, name="logits")(x)
 
 
 class TransformerWorkload(Workload):
@@ -93,7 +98,7 @@ class TransformerWorkload(Workload):
         model = self._model(plan)
 
         def loss_fn(params: PyTree, tokens: jax.Array) -> jax.Array:
-            logits = model.apply({"params": params}, tokens[:, :-1])
+            logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
         return loss_fn

@@ -13,13 +13,16 @@ import abc
 import hashlib
 import importlib
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from remat_search.errors import WorkloadError
+from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
 from remat_search.spec import FactoryConfig, MlpConfig, TransformerConfig, WorkloadConfig
 
@@ -63,17 +66,58 @@ class Workload(abc.ABC):
             self._jitted_inputs = jax.jit(self._inputs)
         return self._jitted_inputs(jax.random.key(seed))
 
-    def abstract_inputs(self) -> tuple[PyTree, PyTree]:
-        """Shapes and dtypes of :meth:`inputs`, for compiling without allocating."""
-        return jax.eval_shape(self._inputs, jax.random.key(0))
+    def abstract_inputs(self, mesh: Mesh | None = None) -> tuple[PyTree, PyTree]:
+        """Shapes and dtypes of :meth:`inputs` (with their shardings over ``mesh`` if given),
+        for compiling without allocating."""
+        shapes = jax.eval_shape(self._inputs, jax.random.key(0))
+        if mesh is None:
+            return shapes
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.shardings(mesh)
+        )
+
+    def shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
+        """``NamedSharding``s of ``(state, batch)``: FSDP-style state, batch over every axis.
+
+        Each parameter and optimizer-state array is split over ``fsdp`` along its largest
+        dimension that the axis divides (replicated if none does); the batch's leading
+        dimension is split over ``data`` and ``fsdp`` together.
+        """
+        state, batch = jax.eval_shape(self._inputs, jax.random.key(0))
+        fsdp = mesh.shape.get("fsdp", 1)
+        batch_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+        ways = math.prod(mesh.shape[a] for a in batch_axes)
+
+        def state_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
+            dims = [d for d in sorted(range(a.ndim), key=lambda d: -a.shape[d]) if a.shape[d] % fsdp == 0]
+            if fsdp == 1 or not dims:
+                return NamedSharding(mesh, P())
+            return NamedSharding(mesh, P(*("fsdp" if d == dims[0] else None for d in range(a.ndim))))
+
+        def batch_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
+            if not batch_axes:
+                return NamedSharding(mesh, P())
+            if a.ndim == 0 or a.shape[0] % ways:
+                raise SpecError(
+                    f"spec.mesh: the batch dimension ({a.shape[0] if a.ndim else 'none'}) must be "
+                    f"divisible by {' × '.join(batch_axes)} = {ways}"
+                )
+            return NamedSharding(mesh, P(batch_axes))
+
+        return jax.tree.map(state_spec, state), jax.tree.map(batch_spec, batch)
 
     def _inputs(self, key: jax.Array) -> tuple[PyTree, PyTree]:
         params_key, batch_key = jax.random.split(key)
         params = self.init_params(params_key)
         return (params, self.optimizer().init(params)), self.make_batch(batch_key)
 
-    def step(self, plan: RematPlan) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
-        """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``."""
+    def step(
+        self, plan: RematPlan, mesh: Mesh | None = None
+    ) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
+        """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``.
+
+        Over a ``mesh`` the new state keeps the old one's shardings, so donation aliases it.
+        """
         loss_fn, opt = self.loss(plan), self.optimizer()
 
         def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
@@ -82,7 +126,13 @@ class Workload(abc.ABC):
             updates, opt_state = opt.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
-        return jax.jit(train_step, donate_argnums=0)
+        if mesh is None:
+            return jax.jit(train_step, donate_argnums=0)
+        state, batch = self.shardings(mesh)
+        return jax.jit(
+            train_step, donate_argnums=0, in_shardings=(state, batch),
+            out_shardings=(state, NamedSharding(mesh, P())),
+        )
 
     def grad(self, plan: RematPlan) -> Callable[[PyTree, PyTree], PyTree]:
         """The jitted gradient of the loss under ``plan``, to check it against no remat."""

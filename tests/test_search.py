@@ -100,8 +100,8 @@ def test_pareto_front_is_not_dominated(finished) -> None:  # type: ignore[no-unt
     timed = report.timed()
     for f in front:
         assert not any(
-            t.median_seconds <= f.median_seconds and t.peak_bytes <= f.peak_bytes
-            and (t.median_seconds, t.peak_bytes) != (f.median_seconds, f.peak_bytes)
+            t.step_seconds <= f.step_seconds and t.peak_bytes <= f.peak_bytes
+            and (t.step_seconds, t.peak_bytes) != (f.step_seconds, f.peak_bytes)
             for t in timed
         )
 
@@ -110,7 +110,7 @@ def test_best_is_the_fastest_timed_plan_that_fits(finished, cli) -> None:  # typ
     storage, _, report = finished
     timed = report.timed()
     budget = sorted(t.peak_bytes for t in timed)[len(timed) // 2]
-    expected = min((t for t in timed if t.peak_bytes <= budget), key=lambda t: t.median_seconds)
+    expected = min((t for t in timed if t.peak_bytes <= budget), key=lambda t: t.step_seconds)
     assert remat_search.best_plan("tiny", budget, storage).number == expected.number
 
     result = cli("best", "--study", "tiny", "--budget", str(budget), "--storage", storage, "--json")

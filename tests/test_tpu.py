@@ -1,0 +1,113 @@
+"""TPU targets compiled ahead of time by the real TPU compiler (libtpu), on this CPU-only host."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import remat_search
+from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
+from remat_search.measurement import Measurement, measure
+from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
+from remat_search.target import CHIPS, chip_of, make_mesh, target_devices
+
+from .conftest import TINY_TRANSFORMER, spec_dict, write_spec
+
+V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
+HBM_V5E = int(15.75 * 2**30)  # "available HBM (15.75G)", as libtpu reports a v5e chip
+QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))
+# Attention-heavy enough that activations, not weights, set the per-chip peak.
+SMALL = TransformerConfig(kind="transformer", layers=2, d_model=128, heads=4, d_ff=512, seq_len=512, batch=32, vocab=256)
+# 8 layers of 64 sequences × 1024 tokens per chip: too big for 16 GiB unless recomputed.
+LARGE = TransformerConfig(kind="transformer", layers=8, d_model=512, heads=8, d_ff=2048, seq_len=1024, batch=256, vocab=256)
+
+
+def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None) -> Measurement:
+    workload = build_workload(config)
+    mesh = make_mesh(target_devices(V5E), mesh_axes)
+    return measure(
+        workload, RematPlan.uniform(policy, workload.layers), budget=HBM_V5E, timing=TimingConfig(),
+        gradient_tolerance=1e-3, reference_grads=lambda: pytest.fail("nothing may run for a TPU target"),
+        mesh=mesh, chip=chip_of(V5E),
+    )
+
+
+def test_per_chip_peak_orders_full_names_none() -> None:
+    peak = {label: _measure(SMALL, policy).peak_bytes for label, policy in
+            (("none", "none"), ("full", "full"), ("save_qkv", QKV))}
+    assert peak["full"] < peak["save_qkv"] < peak["none"]
+
+
+def test_tpu_measurements_are_compiled_and_estimated_never_run() -> None:
+    m = _measure(SMALL, "full")
+    assert m.status == "measured" and m.time_source == "estimated" and m.step_times == ()
+    assert m.memory.compiler_peak is not None and m.memory.breakdown_sum > 0
+    assert m.memory.peak == max(m.memory.compiler_peak, m.memory.breakdown_sum)
+    chip = CHIPS["v5e"]
+    assert m.estimated_seconds == pytest.approx(
+        max(m.flops / chip.bf16_flops, m.bytes_accessed / chip.hbm_bytes_per_second))
+
+
+def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_while_full_fits() -> None:
+    none = _measure(LARGE, "none")
+    assert none.status == "over_budget" and none.memory is None
+    assert none.oom_available_bytes == HBM_V5E and none.oom_required_bytes > HBM_V5E
+    full = _measure(LARGE, "full")
+    assert full.status == "measured" and full.peak_bytes <= HBM_V5E
+
+
+def test_fsdp_divides_per_chip_argument_bytes_by_the_mesh() -> None:
+    # Widths that stay multiples of the TPU's 128-lane tiles when split 4 ways: no padding.
+    config = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=4, d_ff=2048,
+                               seq_len=128, batch=32, vocab=1024)
+    replicated = _measure(config, "full", {"data": 4}).memory
+    sharded = _measure(config, "full", {"fsdp": 4}).memory
+    tokens = config.batch // 4 * (config.seq_len + 1) * 4  # int32 batch, split 4 ways in both
+    state_replicated, state_sharded = replicated.argument - tokens, sharded.argument - tokens
+    assert state_replicated / state_sharded == pytest.approx(4, rel=0.02)
+
+
+def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str) -> None:
+    spec = parse_spec(spec_dict(
+        storage_url, target={"platform": "tpu", "topology": "v5e:2x2"}, budget=None, trials=3,
+        workload={**TINY_TRANSFORMER, "batch": 8, "dtype": "bfloat16"},
+        space={"layout": "uniform", "choices": ["none", "full", "dots"]},
+    ))
+    report = remat_search.run(spec)
+    assert report.budget == HBM_V5E
+    assert report.device["target"] == "v5e:2x2" and report.device["device_kind"] == "TPU v5 lite"
+    assert report.device["executes"] is False and report.device["mesh"] == {"data": 4}
+    assert [t.measurement.time_source for t in report.trials] == ["estimated"] * 3
+    assert report.best(HBM_V5E).step_seconds == min(t.step_seconds for t in report.trials)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"target": {"platform": "tpu", "topology": "v9:2x2"}}, "spec.target.topology: unknown TPU generation"),
+     ({"target": {"platform": "tpu", "topology": "v5e:3x3"}}, "spec.target.topology: libtpu does not know 'v5e:3x3'"),
+     ({"target": {"platform": "tpu", "topology": "v5e-2x2"}}, "spec.target.topology: expected a TPU topology such as v5e:2x4"),
+     ({"target": "tpu"}, "spec.target: expected local or {platform: tpu"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 2, "fsdp": 4}},
+      "spec.mesh: {'data': 2, 'fsdp': 4} spans 8 devices, the target has 4"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"tensor": 4}}, "spec.mesh"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 4},
+       "workload": {**TINY_TRANSFORMER, "batch": 6}}, "spec.mesh: the batch dimension (6) must be divisible"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "budget": "20GiB"},
+      "spec.budget: 20.0 GiB is more than the 15.8 GiB a TPU v5 lite device has"),
+     ({"budget": None}, "spec.budget: required here: cpu reports no memory limit")],
+)
+def test_bad_targets_are_clean_errors(cli, tmp_path: Path, storage_url: str, change: dict, field: str) -> None:  # type: ignore[no-untyped-def]
+    spec = spec_dict(storage_url)
+    spec.update(change)
+    result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and field in result.stderr, result.stderr
+    assert not list(tmp_path.glob("*.db*"))
+
+
+def test_without_libtpu_a_tpu_target_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # as if it were not installed
+    with pytest.raises(SpecError, match=r"pip install 'remat-search\[tpu\]'"):
+        target_devices(V5E)
