@@ -82,9 +82,7 @@ class FactoryConfig(_Frozen):
     @field_validator("factory")
     @classmethod
     def _import_path(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
-            raise ValueError(f"expected an import path 'package.module:function', got {value!r}")
-        return value
+        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:function'")
 
 
 def _workload_tag(value: Any) -> str | None:
@@ -175,9 +173,7 @@ class TpuTarget(_Frozen):
     @field_validator("topology")
     @classmethod
     def _topology_name(cls, value: str) -> str:
-        if not re.fullmatch(r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", value):
-            raise ValueError(f"expected a TPU topology such as v5e:2x4 or v5p:2x2x1, got {value!r}")
-        return value
+        return _matching(value, r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", "a TPU topology such as v5e:2x4 or v5p:2x2x1")
 
 
 def _target_tag(value: Any) -> str | None:
@@ -233,11 +229,15 @@ class SearchSpec(_Frozen):
 
 def check_study_name(value: str) -> str:
     """Return ``value`` if it is a usable study name, else raise :class:`ValueError`."""
-    if not re.fullmatch(STUDY_NAME_PATTERN, value):
-        raise ValueError(
-            f"expected a study name of letters, digits, '.', '_' or '-' "
-            f"(starting with a letter or digit, at most 128), got {value!r}"
-        )
+    return _matching(
+        value, STUDY_NAME_PATTERN,
+        "a study name of letters, digits, '.', '_' or '-' (starting with a letter or digit, at most 128)",
+    )
+
+
+def _matching(value: str, pattern: str, expected: str) -> str:
+    if not re.fullmatch(pattern, value):
+        raise ValueError(f"expected {expected}, got {value!r}")
     return value
 
 
