@@ -34,6 +34,7 @@ from remat_search.store import (
     PLAN_ATTR,
     REUSED_ATTR,
     TrialResult,
+    check_storage,
     choice_labels,
     open_storage,
     translate_errors,
@@ -56,6 +57,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     ``on_progress(done, total, last_result, device)`` is called once before the first
     trial (``last_result`` None) and after every trial.
     """
+    check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     workload = build_workload(spec.workload)
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
     with Runner(spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh) as runner:

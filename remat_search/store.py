@@ -71,10 +71,10 @@ def resolve_url(url: str | None) -> str:
     return url or os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
-def open_storage(url: str | None = None, *, create: bool = False) -> optuna.storages.RDBStorage:
-    """Open the storage at ``url``; with ``create=False`` a missing SQLite file is an error.
+def check_storage(url: str | None = None, *, create: bool = False) -> dict:
+    """Check that ``url`` is reachable, writing nothing; return the engine options to open it.
 
-    Nothing is written before the URL is known to be reachable.
+    With ``create=False`` a missing SQLite file is an error (queries never create one).
     """
     url = resolve_url(url)
     shown = _shown(url)
@@ -82,19 +82,26 @@ def open_storage(url: str | None = None, *, create: bool = False) -> optuna.stor
         parsed = sqlalchemy.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite":
             _check_sqlite_path(parsed.database, shown, create=create)
-            engine_kwargs: dict = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
-        else:
-            engine_kwargs = {"pool_pre_ping": True}
-            if parsed.get_backend_name() == "postgresql":
-                engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
-            probe = sqlalchemy.create_engine(parsed, **engine_kwargs)
-            try:
-                with probe.connect():
-                    pass
-            finally:
-                probe.dispose()
+            return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
+        engine_kwargs: dict = {"pool_pre_ping": True}
+        if parsed.get_backend_name() == "postgresql":
+            engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+        probe = sqlalchemy.create_engine(parsed, **engine_kwargs)
+        try:
+            with probe.connect():
+                pass
+        finally:
+            probe.dispose()
+        return engine_kwargs
+
+
+def open_storage(url: str | None = None, *, create: bool = False) -> optuna.storages.RDBStorage:
+    """Open the storage at ``url`` (see :func:`check_storage`); SQLite runs in WAL mode."""
+    url = resolve_url(url)
+    engine_kwargs = check_storage(url, create=create)
+    with translate_errors(url):
         storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
-        if parsed.get_backend_name() == "sqlite":
+        if storage.engine.dialect.name == "sqlite":
             with storage.engine.connect() as connection:
                 connection.exec_driver_sql("PRAGMA journal_mode=WAL")
         return storage

@@ -160,3 +160,14 @@ def test_resuming_with_another_budget_is_refused(finished, cli) -> None:  # type
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "spec.budget: study 'tiny' already exists" in result.stderr
     assert db.read_bytes() == before
+
+
+def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str) -> None:
+    spec = parse_spec(spec_dict(
+        storage_url, workload={"kind": "mlp", "layers": 2, "width": 32, "hidden": 64, "batch": 16},
+        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, mesh={"data": 1},
+    ))
+    report = remat_search.run(spec)
+    assert report.device["mesh"] == {"data": 1}
+    assert [t.status for t in report.trials] == ["measured", "measured"]
+    assert all(t.measurement.time_source == "measured" for t in report.trials)
