@@ -125,7 +125,7 @@ def run(
     output.console.print(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
-        f"--budget {format_bytes(report.budget).replace(' ', '')} --json > plan.json"
+        f"--budget {report.budget} --json > plan.json"
     )
 
 

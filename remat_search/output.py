@@ -27,7 +27,8 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
         peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—"
         if budget and t.peak_bytes is not None:
             peak += f" ({t.peak_bytes / budget:.0%})"
-        status = t.status + (f" = #{t.reused_from}" if t.reused_from is not None else "")
+        estimated = m is not None and m.time_source == "estimated"
+        status = ("fits" if estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
         if t.error and t.status == "failed":
             status += f": {t.error.splitlines()[0][:80]}"
         table.add_row(
@@ -36,10 +37,14 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             peak,
             _step(t),
             f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
-            f"{m.flops / 1e9:.2f}" if m and m.flops is not None else "—",
+            _gflop(m.flops) if m and m.flops is not None else "—",
             f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
         )
     return table
+
+
+def _gflop(flops: float) -> str:
+    return f"{flops / 1e9:,.0f}" if flops >= 1e11 else f"{flops / 1e9:.2f}"
 
 
 def _step(t: TrialResult) -> str:
@@ -83,13 +88,15 @@ def describe_trial(t: TrialResult) -> str:
     if m and m.memory:
         mem = m.memory
         lines.append(
-            f"  peak {format_bytes(mem.peak)} = argument {format_bytes(mem.argument)} + output "
-            f"{format_bytes(mem.output)} − alias {format_bytes(mem.alias)} + temp {format_bytes(mem.temp)}"
+            f"  peak {format_bytes(mem.peak)} per device, from the {mem.peak_source.replace('_', ' ')}: "
+            f"argument {format_bytes(mem.argument)} + output {format_bytes(mem.output)} − alias "
+            f"{format_bytes(mem.alias)} + temp {format_bytes(mem.temp)} + code {format_bytes(mem.generated_code)}"
+            + (f"; compiler peak {format_bytes(mem.compiler_peak)}" if mem.compiler_peak is not None else "")
         )
-        host = mem.host_argument + mem.host_output + mem.host_temp
+        host = mem.host_argument + mem.host_output - mem.host_alias + mem.host_temp
         if host:
             lines.append(f"  host (pinned) memory: {format_bytes(host)}")
-        lines.append(f"  compile {m.compile_seconds:.2f} s, {m.flops / 1e9:.2f} GFLOP" if m.flops else "")
+        lines.append(f"  compile {m.compile_seconds:.2f} s, {_gflop(m.flops)} GFLOP" if m.flops else "")
     if m and m.estimated_seconds is not None:
         lines.append(
             f"  step: estimated {format_seconds(m.estimated_seconds)} (roofline of {m.flops / 1e9:.1f} GFLOP and "

@@ -15,9 +15,9 @@ import optuna
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import NoFeasiblePlan
+from remat_search.errors import NoFeasiblePlan, SpecError
 from remat_search.store import TrialResult, load_study, open_storage, translate_errors, trial_result
-from remat_search.units import format_bytes
+from remat_search.units import format_bytes, parse_bytes
 
 
 class StudyReport(BaseModel):
@@ -35,7 +35,8 @@ class StudyReport(BaseModel):
         return sum(1 for t in self.trials if t.status == status)
 
     def timed(self) -> list[TrialResult]:
-        """Trials that were run and timed, each plan once (its first trial)."""
+        """Trials that fit and have a step time (measured, or estimated on compile-only
+        targets), each plan once (its first trial)."""
         seen: set[str] = set()
         out = []
         for t in self.trials:
@@ -83,7 +84,7 @@ def study_report(study: optuna.Study) -> StudyReport:
     return StudyReport(
         study=study.study_name,
         budget=int(study.user_attrs.get("budget", 0)),
-        device=study.user_attrs.get("device", {}),
+        device=study.user_attrs.get("device_info", {}),
         trials=trials,
         front=tuple(front),
     )
@@ -103,9 +104,11 @@ def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
 
 def best_plan(study: str, budget: int | str, storage: str | None = None) -> TrialResult:
     """The fastest measured plan of ``study`` whose compiled peak fits ``budget``."""
-    from remat_search.units import parse_bytes
-
-    return load_report(study, storage).best(parse_bytes(budget))
+    try:
+        limit = parse_bytes(budget)
+    except ValueError as e:
+        raise SpecError(f"budget: {e}") from None
+    return load_report(study, storage).best(limit)
 
 
 class StudySummary(BaseModel):
@@ -131,7 +134,7 @@ def list_studies(storage: str | None = None) -> list[StudySummary]:
             study = optuna.load_study(study_name=s.study_name, storage=opened)
             states = [t.state for t in study.get_trials(deepcopy=False)]
             front = [t.values[0] for t in study.best_trials]
-            device = study.user_attrs.get("device", {})
+            device = study.user_attrs.get("device_info", {})
             out.append(StudySummary(
                 study=s.study_name,
                 budget=int(study.user_attrs.get("budget", 0)),

@@ -51,7 +51,8 @@ class DeviceInfo(BaseModel):
 class Runner:
     """Measures plans of one workload in a reusable worker process.
 
-    Use as a context manager; :meth:`measure` never raises for a bad candidate.
+    Use as a context manager. :meth:`measure` never raises for a bad candidate; starting
+    a worker can (a workload or target the worker cannot build).
     """
 
     def __init__(
@@ -178,7 +179,8 @@ def _serve(
         info = DeviceInfo(
             target=target if isinstance(target, str) else target.topology,
             platform=devices[0].platform, device_kind=devices[0].device_kind,
-            device_count=len(devices), mesh=dict(mesh.shape) if mesh is not None else None,
+            device_count=mesh.size if mesh is not None else 1,
+            mesh=dict(mesh.shape) if mesh is not None else None,
             memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
             executes=chip is None, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),

@@ -23,7 +23,7 @@ from remat_search.errors import SpecError
 from remat_search.measurement import Measurement
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import DeviceInfo, Runner
-from remat_search.space import check_space, make_sampler, preset_params, suggest_plan
+from remat_search.space import check_space, make_sampler, param_names, preset_params, suggest_plan
 from remat_search.spec import SearchSpec
 from remat_search.store import (
     FAILURE_ATTR,
@@ -47,6 +47,8 @@ BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 # Fields a study is tied to: resuming with others would mix incomparable trials.
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
+DEVICE_IDENTITY = ("target", "platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
+INITIALIZED_ATTR = "initialized"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
@@ -72,20 +74,19 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         storage = open_storage(spec.storage, create=True)
         with translate_errors(spec.storage):
             study = _open_study(spec, budget, storage, device, workload.layers)
-            _requeue_interrupted(study)
-            done = _finished(study)
+            _requeue_interrupted(study, len(param_names(spec.space, workload.layers)))
             if on_progress:
-                on_progress(done, spec.trials, None, device)
+                on_progress(_finished(study), spec.trials, None, device)
             measured = {
                 m.plan_digest: (t.number, m)
                 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if (m := trial_result(t).measurement) is not None
+                if REUSED_ATTR not in t.user_attrs and (m := trial_result(t).measurement) is not None
             }
-            while done < spec.trials:
+            # Counted afresh each time: other processes may be searching the same study.
+            while (done := _finished(study)) < spec.trials:
                 result = _run_trial(spec, budget, study, runner, workload.layers, measured)
-                done += 1
                 if on_progress:
-                    on_progress(done, spec.trials, result, device)
+                    on_progress(done + 1, spec.trials, result, device)
         return study_report(study)
 
 
@@ -115,20 +116,28 @@ def _run_trial(
     layers: int,
     measured: dict[str, tuple[int, Measurement]],
 ) -> TrialResult:
-    """Ask for one plan, measure it (or reuse the study's measurement of it), record it."""
+    """Ask for one plan, measure it (or reuse the study's measurement of it), record it.
+
+    If anything interrupts it here (Ctrl-C, a worker that cannot restart), the trial is
+    failed as interrupted and its plan queued again before the error goes on.
+    """
     trial = study.ask()
-    reused_from = None
-    me = psutil.Process()
-    trial.set_user_attr(HOST_ATTR, socket.gethostname())
-    trial.set_user_attr(PID_ATTR, me.pid)
-    trial.set_user_attr(STARTED_ATTR, me.create_time())
-    plan = suggest_plan(spec.space, layers, trial)
-    trial.set_user_attr(PLAN_ATTR, plan.to_json())
-    if plan.digest in measured:
-        reused_from, m = measured[plan.digest]
-        trial.set_user_attr(REUSED_ATTR, reused_from)
-    else:
-        m = runner.measure(plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
+    try:
+        reused_from = None
+        me = psutil.Process()
+        trial.set_user_attr(HOST_ATTR, socket.gethostname())
+        trial.set_user_attr(PID_ATTR, me.pid)
+        trial.set_user_attr(STARTED_ATTR, me.create_time())
+        plan = suggest_plan(spec.space, layers, trial)
+        trial.set_user_attr(PLAN_ATTR, plan.to_json())
+        if plan.digest in measured:
+            reused_from, m = measured[plan.digest]
+            trial.set_user_attr(REUSED_ATTR, reused_from)
+        else:
+            m = runner.measure(plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
+    except BaseException:
+        _interrupt(study, study._storage.get_trial(trial._trial_id), len(param_names(spec.space, layers)))
+        raise
     _record(study, trial, m, budget)
     if m.status != "failed":
         measured.setdefault(plan.digest, (trial.number, m))
@@ -140,7 +149,7 @@ def _run_trial(
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:
-    """Store a measurement; the constraint goes last (optuna copies it on retries)."""
+    """Store a measurement, the budget constraint last, and finish the trial."""
     trial.set_user_attr(MEASUREMENT_ATTR, m.model_dump_json())
     if m.status == "failed":
         trial.set_user_attr(FAILURE_ATTR, m.error or "unknown failure")
@@ -155,54 +164,60 @@ def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: in
 def _open_study(
     spec: SearchSpec, budget: int, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
 ) -> optuna.Study:
-    """Load the spec's study, refusing one made by another spec; or create it with the presets."""
-    identity = {**spec.model_dump(mode="json", include=set(IDENTITY_FIELDS)), "budget": budget}
-    sampler = make_sampler(spec.sampler)
+    """Load the spec's study, refusing one made by another spec or on other devices; or create
+    it with the presets queued."""
+    identity = {
+        **spec.model_dump(mode="json", include=set(IDENTITY_FIELDS)),
+        "budget": budget,
+        "device": device.model_dump(include=set(DEVICE_IDENTITY)),
+    }
     existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    if spec.study in existing:
-        study = optuna.load_study(study_name=spec.study, storage=storage, sampler=sampler)
-        if not study.user_attrs and not study.get_trials(deepcopy=False):
-            return _initialize(study, spec, identity, device, layers)  # killed while being created
+    if spec.study not in existing:
+        try:
+            optuna.create_study(study_name=spec.study, storage=storage, directions=["minimize", "minimize"])
+        except optuna.exceptions.DuplicatedStudyError:
+            pass  # another process created it a moment ago
+    study = optuna.load_study(study_name=spec.study, storage=storage)
+    if not study.user_attrs.get(INITIALIZED_ATTR):  # new, or killed while being set up
         for key, value in identity.items():
-            if study.user_attrs.get(key) != value:
-                raise SpecError(
-                    f"spec.{key}: study {spec.study!r} already exists with another {key} "
-                    f"({json.dumps(study.user_attrs.get(key))[:120]}); "
-                    "give this search a new study name"
-                )
-        return study
-    study = optuna.create_study(
-        study_name=spec.study, storage=storage, sampler=sampler, directions=["minimize", "minimize"]
-    )
-    return _initialize(study, spec, identity, device, layers)
-
-
-def _initialize(
-    study: optuna.Study, spec: SearchSpec, identity: dict, device: DeviceInfo, layers: int
-) -> optuna.Study:
-    """Tie a new study to its spec and queue the uniform presets first."""
+            study.set_user_attr(key, value)
+        study.set_user_attr("device_info", device.model_dump())
+        queued = [t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
+        for params in preset_params(spec.space, layers):
+            if params not in queued:
+                study.enqueue_trial(params)
+        study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
-        study.set_user_attr(key, value)
-    study.set_user_attr("device", device.model_dump())
-    for params in preset_params(spec.space, layers):
-        study.enqueue_trial(params)
+        if study.user_attrs.get(key) != value:
+            raise SpecError(
+                f"spec.{'target' if key == 'device' else key}: study {spec.study!r} already exists "
+                f"with another {key} ({json.dumps(study.user_attrs.get(key))[:160]}); "
+                "give this search a new study name"
+            )
+    # Not the same seed as last time: a resumed search must not replay its proposals.
+    study.sampler = make_sampler(spec.sampler, offset=len(study.get_trials(deepcopy=False)))
     return study
 
 
-def _requeue_interrupted(study: optuna.Study) -> None:
+def _requeue_interrupted(study: optuna.Study, n_params: int) -> None:
     """Fail trials whose search process is gone, and queue their plans again."""
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not _orphaned(trial):
-            continue
-        study._storage.set_trial_user_attr(trial._trial_id, FAILURE_ATTR, INTERRUPTED)
-        study.tell(trial.number, state=TrialState.FAIL)
-        if trial.params:
-            study.enqueue_trial(trial.params)
+        if _orphaned(trial):
+            _interrupt(study, trial, n_params)
+
+
+def _interrupt(study: optuna.Study, trial: optuna.trial.FrozenTrial, n_params: int) -> None:
+    """Fail ``trial`` as interrupted; queue its plan again if it had chosen all ``n_params``."""
+    study._storage.set_trial_user_attr(trial._trial_id, FAILURE_ATTR, INTERRUPTED)
+    study.tell(trial.number, state=TrialState.FAIL)
+    params = trial.system_attrs.get("fixed_params") or trial.params  # a queued preset, or sampled
+    if len(params) == n_params:
+        study.enqueue_trial(params)
 
 
 def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
     attrs = trial.user_attrs
-    if HOST_ATTR not in attrs:  # killed between ask() and its first write
+    if HOST_ATTR not in attrs or PID_ATTR not in attrs:  # killed between ask() and its writes
         started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
         return time.time() - started > 60
     if attrs[HOST_ATTR] != socket.gethostname():

@@ -56,10 +56,15 @@ def check_space(space: SpaceConfig, *, layers: int, tensor_names: Iterable[str])
             )
 
 
-def make_sampler(config: SamplerConfig) -> optuna.samplers.BaseSampler:
-    """The optuna sampler of a spec; all but ``random`` learn from the budget constraint."""
+def make_sampler(config: SamplerConfig, *, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The optuna sampler of a spec; all but ``random`` learn from the budget constraint.
+
+    ``offset`` (the study's trial count) moves the seed, so a resumed search does not replay
+    the proposals of the session before it.
+    """
+    seed = None if config.seed is None else config.seed + offset
     if config.kind == "tpe":
-        return optuna.samplers.TPESampler(seed=config.seed, multivariate=True)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if config.kind == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=config.seed)
-    return optuna.samplers.RandomSampler(seed=config.seed)
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    return optuna.samplers.RandomSampler(seed=seed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -192,7 +192,8 @@ Target = Annotated[
 ]
 """``local``: compile, run and time on the devices this process sees; or a TPU topology."""
 
-MESH_AXES = ("data", "fsdp")
+MeshAxis = Literal["data", "fsdp"]
+MESH_AXES: tuple[MeshAxis, ...] = get_args(MeshAxis)
 
 
 class TimingConfig(_Frozen):
@@ -211,12 +212,14 @@ class SearchSpec(_Frozen):
     workload: WorkloadConfig
     space: SpaceConfig
     budget: Bytes | None = None
-    """Peak bytes per chip; default (TPU targets, GPUs): the chip's memory as the compiler sees it."""
+    """Peak bytes per chip. Default: the chip's memory as the TPU compiler reports it, or as a
+    local GPU's runtime does (``bytes_limit``); required on CPU."""
     trials: PositiveInt
     target: Target = "local"
-    mesh: dict[Literal["data", "fsdp"], PositiveInt] | None = None
+    mesh: dict[MeshAxis, PositiveInt] | None = None
     """Device mesh, e.g. ``{data: 2, fsdp: 4}``: batch over both axes, parameters and optimizer
-    state sharded over ``fsdp``. Default: all devices on ``data``."""
+    state sharded over ``fsdp``. Default: all of a TPU target's chips on ``data``; for
+    ``local``, no mesh (one device)."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     gradient_tolerance: PositiveFloat = 1e-3

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -96,12 +97,25 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
 
 
 def open_storage(url: str | None = None, *, create: bool = False) -> optuna.storages.RDBStorage:
-    """Open the storage at ``url`` (see :func:`check_storage`); SQLite runs in WAL mode."""
+    """Open the storage at ``url`` (see :func:`check_storage`).
+
+    With ``create=True`` optuna's tables are made if missing and SQLite is put in WAL mode;
+    without it nothing is written, so queries are safe on any database.
+    """
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
     with translate_errors(url):
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
-        if storage.engine.dialect.name == "sqlite":
+        for attempt in range(3):
+            try:
+                storage = optuna.storages.RDBStorage(
+                    url, engine_kwargs=engine_kwargs, skip_table_creation=not create
+                )
+                break
+            except sqlalchemy.exc.IntegrityError:  # another process made the tables just now
+                if attempt == 2:
+                    raise
+                time.sleep(0.5)
+        if create and storage.engine.dialect.name == "sqlite":
             with storage.engine.connect() as connection:
                 connection.exec_driver_sql("PRAGMA journal_mode=WAL")
         return storage
@@ -170,7 +184,7 @@ def choice_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[st
         return ()
     if "policy" in params:
         return (str(params["policy"]),) * len(plan.layers)
-    return tuple(str(params[k]) for k in sorted(params))
+    return tuple(str(params[k]) for k in sorted(params, key=lambda k: int(k.rpartition("_")[2])))
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:

@@ -47,6 +47,7 @@ def test_gradients_of_every_plan_match_no_remat(measured: dict[str, Measurement]
     for label, m in measured.items():
         assert m.status == "measured", (label, m.error)
         assert m.grad_rel_error is not None and m.grad_rel_error <= 1e-4, label
+        assert m.grad_reference == "none"
 
 
 def test_recompute_shows_in_flops_and_steps_are_timed(measured: dict[str, Measurement]) -> None:

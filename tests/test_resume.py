@@ -7,17 +7,20 @@ import time
 from pathlib import Path
 
 import optuna
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
-from remat_search.store import FAILURE_ATTR, INTERRUPTED
+from remat_search import StorageError
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, open_storage
 
 from .conftest import run_process, spec_dict, write_spec
 
 
 def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials, read without writing (the search may be creating the tables)."""
     try:
-        return optuna.load_study(study_name="tiny", storage=storage).trials
-    except KeyError:
+        return optuna.load_study(study_name="tiny", storage=open_storage(storage)).trials
+    except (KeyError, StorageError, optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError):
         return []
 
 
@@ -28,7 +31,7 @@ def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storag
     while True:  # wait until some trials are complete and one is being measured
         assert search.poll() is None, search.communicate()[0]
         assert time.monotonic() < deadline, "the search made no progress"
-        trials = _trials(storage_url) if Path(storage_url.removeprefix("sqlite:///")).exists() else []
+        trials = _trials(storage_url)
         states = [t.state for t in trials]
         if states.count(TrialState.COMPLETE) >= 2 and TrialState.RUNNING in states:
             break
