@@ -69,7 +69,8 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
         table.add_row(
             s.study, s.device, format_bytes(s.budget) if s.budget else "—",
             str(s.complete), str(s.failed), str(s.running),
-            format_seconds(s.fastest_seconds) if s.fastest_seconds is not None else "—",
+            (format_seconds(s.fastest_seconds) + (" (est.)" if s.estimated else ""))
+            if s.fastest_seconds is not None else "—",
         )
     return table
 

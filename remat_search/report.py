@@ -123,6 +123,8 @@ class StudySummary(BaseModel):
     failed: int
     running: int
     fastest_seconds: float | None
+    estimated: bool
+    """Step times are roofline estimates (a compile-only target), not measurements."""
 
 
 def list_studies(storage: str | None = None) -> list[StudySummary]:
@@ -143,6 +145,7 @@ def list_studies(storage: str | None = None) -> list[StudySummary]:
                 failed=states.count(TrialState.FAIL),
                 running=states.count(TrialState.RUNNING),
                 fastest_seconds=min(front) if front else None,
+                estimated=device.get("executes") is False,
             ))
         return sorted(out, key=lambda s: s.study)
 
@@ -154,27 +157,29 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mib = 2**20
+    peaks = [t.peak_bytes for t in report.trials if t.peak_bytes] + [report.budget]
+    unit, scale = ("GiB", 2**30) if max(peaks) > 4 * 2**30 else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     timed = report.timed()
-    ax.scatter([t.peak_bytes / mib for t in timed], [t.step_seconds * 1e3 for t in timed],
+    ax.scatter([t.peak_bytes / scale for t in timed], [t.step_seconds * 1e3 for t in timed],
                s=18, color="0.6", label="timed plans")
     front = [t for t in report.front if t.step_seconds is not None]
-    ax.plot([t.peak_bytes / mib for t in front], [t.step_seconds * 1e3 for t in front],
+    ax.plot([t.peak_bytes / scale for t in front], [t.step_seconds * 1e3 for t in front],
             "o-", color="tab:blue", label="Pareto front")
     for t in timed:
         if t.plan is not None and len(set(t.plan.layers)) == 1:  # a uniform preset: name it
             ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
-                        (t.peak_bytes / mib, t.step_seconds * 1e3),
+                        (t.peak_bytes / scale, t.step_seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
     if over:
-        ax.scatter([t.peak_bytes / mib for t in over], [ax.get_ylim()[1]] * len(over), marker="x",
+        ax.scatter([t.peak_bytes / scale for t in over], [ax.get_ylim()[1]] * len(over), marker="x",
                    color="tab:red", label="over budget (compiled, never run)")
     if report.budget:
-        ax.axvline(report.budget / mib, color="tab:red", linestyle="--", label="budget")
-    ax.set_xlabel("compiled peak memory (MiB)")
-    ax.set_ylabel("median step time (ms)")
+        ax.axvline(report.budget / scale, color="tab:red", linestyle="--", label="budget")
+    ax.set_xlabel(f"compiled peak memory per device ({unit})")
+    estimated = report.device.get("executes") is False
+    ax.set_ylabel("estimated step time (ms, roofline)" if estimated else "median step time (ms)")
     ax.set_title(f"{report.study} on {report.device.get('platform', '?')} "
                  f"({report.device.get('device_kind', '?')}): step time vs peak memory")
     ax.legend(fontsize=8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 from pathlib import Path
 
@@ -171,3 +172,30 @@ def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str) -> None:
     assert report.device["mesh"] == {"data": 1}
     assert [t.status for t in report.trials] == ["measured", "measured"]
     assert all(t.measurement.time_source == "measured" for t in report.trials)
+
+
+def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url: str) -> None:
+    spec = parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:hanging"}, trials=2,
+        space={"layout": "uniform", "choices": ["full", "dots"]},
+        timing={**FAST_TIMING, "timeout": "3s"},
+    ))
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    def arm_before_the_first_trial(done: int, total: int, last: object, device: object) -> None:
+        if last is None:
+            signal.alarm(1)  # Ctrl-C while the first candidate is being measured
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            remat_search.run(spec, on_progress=arm_before_the_first_trial)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+    report = remat_search.run(spec)  # the same process runs it again
+    assert [t.status for t in report.trials] == ["interrupted", "failed", "failed"]
+    assert [t.summary() for t in report.trials] == ["full×3", "dots×3", "full×3"]
