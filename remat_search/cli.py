@@ -202,7 +202,8 @@ def show(
         return
     matches = [t for t in report.trials if t.number == trial]
     if not matches:
-        raise SpecError(f"--trial: study {report.study!r} has no trial {trial} (it has 0..{len(report.trials) - 1})")
+        have = f"trials 0..{len(report.trials) - 1}" if report.trials else "no trials yet"
+        raise SpecError(f"--trial: study {report.study!r} has no trial {trial} (it has {have})")
     output.console.print(output.describe_trial(matches[0]), highlight=False)
 
 

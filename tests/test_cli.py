@@ -38,6 +38,10 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("offload on cpu", {"space": {"choices": ["full", {"label": "off", "offload": ["context"]}]}},
      "needs a GPU or TPU"),
     ("timeout", {"timing": {"timeout": "soon"}}, "spec.timing.timeout"),
+    ("no repeats", {"timing": {"repeats": 0}}, "spec.timing.repeats"),
+    ("unknown sampler", {"sampler": {"kind": "cmaes"}}, "spec.sampler.kind"),
+    ("negative tolerance", {"gradient_tolerance": -1}, "spec.gradient_tolerance"),
+    ("unknown dtype", {"workload": {**spec_dict("x")["workload"], "dtype": "float8"}}, "spec.workload.dtype"),
 ]
 
 
@@ -95,3 +99,15 @@ def test_help_teaches(cli) -> None:  # type: ignore[no-untyped-def]
     for command in ("run", "pareto", "best", "studies", "show"):
         assert command in result.stdout
     assert "14GiB" in cli("best", "--help").stdout
+
+
+def test_show_rejects_a_trial_the_study_does_not_have(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    import optuna
+
+    optuna.create_study(study_name="tiny", storage=storage_url)
+    db = tmp_path / "studies.db"
+    before = db.read_bytes()
+    result = cli("show", "--study", "tiny", "--trial", "7", "--storage", storage_url)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "--trial: study 'tiny' has no trial 7" in result.stderr
+    assert db.read_bytes() == before
