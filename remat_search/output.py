@@ -27,15 +27,14 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
         peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—"
         if budget and t.peak_bytes is not None:
             peak += f" ({t.peak_bytes / budget:.0%})"
-        estimated = m is not None and m.time_source == "estimated"
-        status = ("fits" if estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
+        status = ("fits" if t.time_estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
         if t.error and t.status == "failed":
             status += f": {t.error.splitlines()[0][:80]}"
         table.add_row(
             str(t.number),
             t.summary(),
             peak,
-            _step(t),
+            _seconds(t.step_seconds, estimated=t.time_estimated),
             f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
             _gflop(m.flops) if m and m.flops is not None else "—",
             f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
@@ -47,11 +46,10 @@ def _gflop(flops: float) -> str:
     return f"{flops / 1e9:,.0f}" if flops >= 1e11 else f"{flops / 1e9:.2f}"
 
 
-def _step(t: TrialResult) -> str:
-    if t.step_seconds is None:
+def _seconds(seconds: float | None, *, estimated: bool) -> str:
+    if seconds is None:
         return "—"
-    estimated = t.measurement is not None and t.measurement.time_source == "estimated"
-    return format_seconds(t.step_seconds) + (" (est.)" if estimated else "")
+    return format_seconds(seconds) + (" (est.)" if estimated else "")
 
 
 def front_table(report: StudyReport) -> Table:
@@ -69,8 +67,7 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
         table.add_row(
             s.study, s.device, format_bytes(s.budget) if s.budget else "—",
             str(s.complete), str(s.failed), str(s.running),
-            (format_seconds(s.fastest_seconds) + (" (est.)" if s.estimated else ""))
-            if s.fastest_seconds is not None else "—",
+            _seconds(s.fastest_seconds, estimated=s.estimated),
         )
     return table
 

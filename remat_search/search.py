@@ -47,7 +47,7 @@ BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 # Fields a study is tied to: resuming with others would mix incomparable trials.
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
-DEVICE_IDENTITY = ("target", "platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
+DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 INITIALIZED_ATTR = "initialized"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]

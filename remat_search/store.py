@@ -55,6 +55,11 @@ class TrialResult(BaseModel):
     def peak_bytes(self) -> int | None:
         return self.measurement.peak_bytes if self.measurement else None
 
+    @property
+    def time_estimated(self) -> bool:
+        """Its step time is a roofline estimate (a compile-only target), not a measurement."""
+        return self.measurement is not None and self.measurement.time_source == "estimated"
+
     def summary(self) -> str:
         """The plan in a few words, by choice label: ``full×2 save_qkv×6``."""
         if self.plan is None:

@@ -9,6 +9,7 @@ tensors as MaxText does, so ``names`` policies can keep them: ``query_proj``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -26,6 +27,16 @@ TENSOR_NAMES = frozenset(
 )
 
 
+def _layers(config: TransformerConfig) -> tuple[Callable[..., nn.Module], ...]:
+    """RMSNorm, Dense and DenseGeneral (no biases) in the config's dtype, params included."""
+    kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.dtype)}
+    return (
+        functools.partial(nn.RMSNorm, **kw),
+        functools.partial(nn.Dense, use_bias=False, **kw),
+        functools.partial(nn.DenseGeneral, use_bias=False, **kw),
+    )
+
+
 class Block(nn.Module):
     """One decoder layer."""
 
@@ -34,26 +45,21 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        dt = jnp.dtype(c.dtype)
+        norm, dense, dense_general = _layers(c)
         head_dim = c.d_model // c.heads
-        h = nn.RMSNorm(name="attn_norm", dtype=dt, param_dtype=dt)(x)
+        h = norm(name="attn_norm")(x)
         q, k, v = (
-            checkpoint_name(
-                nn.DenseGeneral((c.heads, head_dim), use_bias=False, dtype=dt, param_dtype=dt, name=n)(h),
-                f"{n}_proj",
-            )
+            checkpoint_name(dense_general((c.heads, head_dim), name=n)(h), f"{n}_proj")
             for n in ("query", "key", "value")
         )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
         context = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", weights, v), "context")
-        out = nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=False, dtype=dt, param_dtype=dt, name="out")(context)
-        x = x + checkpoint_name(out, "out_proj")
-        h = nn.RMSNorm(name="mlp_norm", dtype=dt, param_dtype=dt)(x)
-        h = checkpoint_name(nn.Dense(c.d_ff, use_bias=False, dtype=dt, param_dtype=dt, name="wi")(h), "mlpwi")
-        h = nn.Dense(c.d_model, use_bias=False, dtype=dt, param_dtype=dt, name="wo")(nn.gelu(h))
-        return x + checkpoint_name(h, "mlpwo")
+        x = x + checkpoint_name(dense_general(c.d_model, axis=(-2, -1), name="out")(context), "out_proj")
+        h = norm(name="mlp_norm")(x)
+        h = checkpoint_name(dense(c.d_ff, name="wi")(h), "mlpwi")
+        return x + checkpoint_name(dense(c.d_model, name="wo")(nn.gelu(h)), "mlpwo")
 
 
 class Decoder(nn.Module):
@@ -65,12 +71,12 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        dt = jnp.dtype(c.dtype)
-        x = nn.Embed(c.vocab, c.d_model, dtype=dt, param_dtype=dt, name="embed")(tokens)
+        norm, dense, _ = _layers(c)
+        x = nn.Embed(c.vocab, c.d_model, dtype=c.dtype, param_dtype=c.dtype, name="embed")(tokens)
         for i in range(c.layers):
             x = self.plan.remat_module(Block, i)(c, name=f"layer_{i}")(x)
-        x = nn.RMSNorm(name="final_norm", dtype=dt, param_dtype=dt)(x)
-        return nn.Dense(c.vocab, use_bias=False, dtype=dt, param_dtype=dt, name="logits")(x)
+        x = norm(name="final_norm")(x)
+        return dense(c.vocab, name="logits")(x)
 
 
 class TransformerWorkload(Workload):

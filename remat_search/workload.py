@@ -69,7 +69,7 @@ class Workload(abc.ABC):
     def abstract_inputs(self, mesh: Mesh | None = None) -> tuple[PyTree, PyTree]:
         """Shapes and dtypes of :meth:`inputs` (with their shardings over ``mesh`` if given),
         for compiling without allocating."""
-        shapes = jax.eval_shape(self._inputs, jax.random.key(0))
+        shapes = self._input_shapes()
         if mesh is None:
             return shapes
         return jax.tree.map(
@@ -83,7 +83,7 @@ class Workload(abc.ABC):
         dimension that the axis divides (replicated if none does); the batch's leading
         dimension is split over ``data`` and ``fsdp`` together.
         """
-        state, batch = jax.eval_shape(self._inputs, jax.random.key(0))
+        state, batch = self._input_shapes()
         fsdp = mesh.shape.get("fsdp", 1)
         batch_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
         ways = math.prod(mesh.shape[a] for a in batch_axes)
@@ -105,6 +105,12 @@ class Workload(abc.ABC):
             return NamedSharding(mesh, P(batch_axes))
 
         return jax.tree.map(state_spec, state), jax.tree.map(batch_spec, batch)
+
+    def _input_shapes(self) -> tuple[PyTree, PyTree]:
+        """``(state, batch)`` shapes, traced once per workload (every candidate needs them)."""
+        if "_shapes" not in self.__dict__:
+            self._shapes = jax.eval_shape(self._inputs, jax.random.key(0))
+        return self._shapes
 
     def _inputs(self, key: jax.Array) -> tuple[PyTree, PyTree]:
         params_key, batch_key = jax.random.split(key)
