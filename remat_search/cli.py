@@ -140,6 +140,8 @@ def pareto(
     """Show the Pareto front: no other plan is both faster and smaller."""
     from remat_search.report import load_report, plot_report
 
+    if plot is not None and not plot.parent.is_dir():
+        raise SpecError(f"--plot: directory {str(plot.parent)!r} does not exist")
     report = load_report(_study(study), storage)
     if as_json:
         print(json.dumps([t.model_dump(mode="json") for t in report.front], indent=2))

@@ -86,6 +86,7 @@ def test_storage_comes_from_flag_then_environment_then_spec(cli, tmp_path: Path,
      (["best", "--study", "tiny", "--budget", "-1"], "--budget"),
      (["best", "--study", "bad name", "--budget", "1GiB"], "--study: expected a study name"),
      (["pareto", "--study", "tiny"], "storage: no database at"),
+     (["pareto", "--study", "tiny", "--plot", "/no/such/dir/front.png"], "--plot: directory '/no/such/dir'"),
      (["show", "--study", "tiny"], "storage: no database at"),
      (["studies"], "storage: no database at")],
 )
