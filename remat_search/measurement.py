@@ -151,11 +151,8 @@ def measure(
 
     cpu = chip is None and jax.default_backend() == "cpu"
     start = time.perf_counter()
-    step = workload.step(plan) if mesh is None else workload.step(plan, mesh)
     try:
-        compiled = step.lower(*workload.abstract_inputs(mesh)).compile(
-            compiler_options=CPU_COMPILER_OPTIONS if cpu else None
-        )
+        compiled = _compile(workload, plan, mesh, cpu=cpu)
     except Exception as e:
         oom = out_of_memory(e)
         if oom is None:
@@ -191,18 +188,57 @@ def measure(
             **seen,
         )
 
+    (times,), loss = _time_steps([compiled], workload, mesh, warmup=timing.warmup, rounds=timing.repeats)
+    if not math.isfinite(loss):
+        return Measurement(status="failed", error=f"loss is {loss} after the timed steps", **seen)
+    return Measurement(status="measured", time_source="measured", step_times=times, **seen)
+
+
+def retime(workload: Any, plans: list[RematPlan], *, warmup: int, rounds: int, mesh: Any = None) -> list[tuple[float, ...]]:
+    """Time ``plans`` interleaved — A B C A B C … — so that a slow spell of a shared machine
+    slows them all alike; return each plan's step times.
+
+    One training state passes from step to step (every plan's step has the same
+    signature), so only one lives on the device. Used to confirm a search's ranking.
+    """
+    import jax
+
+    cpu = jax.default_backend() == "cpu"
+    compiled = [_compile(workload, plan, mesh, cpu=cpu) for plan in plans]
+    times, _ = _time_steps(compiled, workload, mesh, warmup=warmup, rounds=rounds)
+    return times
+
+
+def _compile(workload: Any, plan: RematPlan, mesh: Any, *, cpu: bool) -> Any:
+    step = workload.step(plan) if mesh is None else workload.step(plan, mesh)
+    return step.lower(*workload.abstract_inputs(mesh)).compile(compiler_options=compiler_options(cpu) or None)
+
+
+def _time_steps(
+    compiled: list[Any], workload: Any, mesh: Any, *, warmup: int, rounds: int
+) -> tuple[list[tuple[float, ...]], float]:
+    """Run each executable in turn, ``warmup + rounds`` times; the timed seconds of each, and
+    the last loss."""
+    import jax
+
+    state, batch = workload.inputs()
     if mesh is not None:
         state, batch = jax.device_put((state, batch), workload.shardings(mesh))
-    times = []
-    for i in range(timing.warmup + timing.repeats):
-        t0 = time.perf_counter()
-        state, loss = compiled(state, batch)
-        jax.block_until_ready((state, loss))
-        if i >= timing.warmup:
-            times.append(time.perf_counter() - t0)
-    if not math.isfinite(float(loss)):
-        return Measurement(status="failed", error=f"loss is {float(loss)} after the timed steps", **seen)
-    return Measurement(status="measured", time_source="measured", step_times=tuple(times), **seen)
+    times: list[list[float]] = [[] for _ in compiled]
+    loss = None
+    for i in range(warmup + rounds):
+        for step, seconds in zip(compiled, times, strict=True):
+            t0 = time.perf_counter()
+            state, loss = step(state, batch)
+            jax.block_until_ready((state, loss))
+            if i >= warmup:
+                seconds.append(time.perf_counter() - t0)
+    return [tuple(t) for t in times], float(loss)
+
+
+def compiler_options(cpu: bool) -> dict[str, str]:
+    """The compiler options plans are compiled with: the memory-optimised scheduler on CPU."""
+    return dict(CPU_COMPILER_OPTIONS) if cpu else {}
 
 
 def reference_gradients(workload: Any) -> tuple[Any, Literal["none", "full"]]:

@@ -7,13 +7,14 @@ and ``mlpwo`` (after the second), as in MaxText.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from remat_search.plan import RematPlan
+from remat_search.plan import RematPlan, apply_layers
 from remat_search.spec import MlpConfig
 from remat_search.workload import PyTree, Workload
 
@@ -52,9 +53,7 @@ class MlpWorkload(Workload):
 
     def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
         def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
-            x = batch["x"]
-            for i, layer_params in enumerate(params):
-                x = plan.wrap(mlp_block, i)(layer_params, x)
+            x = apply_layers(plan, [functools.partial(mlp_block, p) for p in params], batch["x"])
             return jnp.mean((x - batch["y"]) ** 2)
 
         return loss_fn

@@ -2,14 +2,16 @@
 
 A :class:`RematPlan` is pure data — frozen, hashable, JSON-serialisable — so it can be
 stored in a study, printed, compared and used as a cache key. This module is also the one
-place where a policy becomes a ``jax.checkpoint`` policy (:func:`checkpoint_policy`).
+place where a policy becomes a ``jax.checkpoint`` policy (:func:`checkpoint_policy`), and
+where a plan is applied to a chain of layers: unrolled (:func:`apply_layers`, flat or nested)
+or scanned, one ``lax.scan`` per run of equal policies (:func:`scan_layers`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,8 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from remat_search.errors import SpecError
 
 PolicyKind = Literal["none", "full", "dots", "dots_no_batch", "names", "offload"]
+Layout = Literal["flat", "nested"]
 NAMED_KINDS = ("names", "offload")
 F = TypeVar("F", bound=Callable[..., Any])
+X = TypeVar("X")
 
 
 class LayerPolicy(BaseModel):
@@ -53,11 +57,18 @@ class LayerPolicy(BaseModel):
 
 
 class RematPlan(BaseModel):
-    """One :class:`LayerPolicy` per layer of a workload, layer 0 first."""
+    """One :class:`LayerPolicy` per layer of a workload, layer 0 first, and a layout.
+
+    ``flat`` checkpoints each layer by its policy and nothing more. ``nested`` additionally
+    wraps the chain in the recursive halving of the JAX guide's ``recursive_checkpoint``
+    (the half applied first is fully rematerialised, recursively): memory logarithmic in
+    depth for O(n log n) compute. Only unrolled chains (:func:`apply_layers`) can be nested.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layers: tuple[LayerPolicy, ...] = Field(min_length=1)
+    layout: Layout = "flat"
 
     @classmethod
     def uniform(cls, policy: LayerPolicy | PolicyKind, layers: int) -> RematPlan:
@@ -75,8 +86,13 @@ class RematPlan(BaseModel):
             raise SpecError(f"plan: not a remat plan ({_first_error(e)})") from None
 
     def to_json(self) -> str:
-        """Canonical JSON: the same plan always gives the same text."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """Canonical JSON: the same plan always gives the same text.
+
+        ``layout`` is written only when it is not ``flat``, so flat plans keep the text (and
+        :attr:`digest`) they had before layouts existed.
+        """
+        data = self.model_dump(mode="json", exclude={"layout"} if self.layout == "flat" else None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def digest(self) -> str:
@@ -92,8 +108,10 @@ class RematPlan(BaseModel):
         """A short human form, runs of equal layers collapsed: ``full×2 dots×6``.
 
         ``labels``, one per layer (the spec's choice labels), replace the policies' own text.
+        Nested plans start with ``nested:`` (``nested: none×8``).
         """
-        return collapse_runs(labels if labels is not None else (str(p) for p in self.layers))
+        text = collapse_runs(labels if labels is not None else (str(p) for p in self.layers))
+        return f"nested: {text}" if self.layout == "nested" else text
 
     def check(self, *, layers: int, tensor_names: Iterable[str]) -> None:
         """Raise :class:`SpecError` unless the plan fits a workload of this shape."""
@@ -125,6 +143,84 @@ class RematPlan(BaseModel):
         import flax.linen as nn
 
         return nn.remat(module_cls, policy=self.policy_for(layer), **remat_kwargs)
+
+
+def segments(plan: RematPlan) -> list[tuple[int, int, LayerPolicy]]:
+    """Runs of consecutive layers with equal policy: ``(start, end, policy)``, end exclusive.
+
+    ``full full none dots dots`` → ``[(0, 2, full), (2, 3, none), (3, 5, dots)]``.
+    """
+    runs: list[tuple[int, int, LayerPolicy]] = []
+    for i, policy in enumerate(plan.layers):
+        if runs and runs[-1][2] == policy:
+            runs[-1] = (runs[-1][0], i + 1, policy)
+        else:
+            runs.append((i, i + 1, policy))
+    return runs
+
+
+def apply_layers(plan: RematPlan, layer_fns: Sequence[Callable[[X], X]], x: X) -> X:
+    """Apply ``layer_fns`` (one ``f_i(x) -> x`` per layer) in order, each checkpointed by its
+    policy (:meth:`RematPlan.wrap`).
+
+    For a ``nested`` plan the chain is also split in halves recursively, the half applied
+    first wrapped in ``jax.checkpoint`` with no policy (full remat), as in the JAX guide's
+    ``recursive_checkpoint``: O(log n) layer inputs live at once, for O(n log n) compute.
+    """
+    if len(layer_fns) != len(plan.layers):
+        raise SpecError(f"plan: has {len(plan.layers)} layers, the workload applies {len(layer_fns)}")
+    fns = [plan.wrap(fn, i) for i, fn in enumerate(layer_fns)]
+    if plan.layout == "nested":
+        return _recursive_checkpoint(fns)(x)
+    for fn in fns:
+        x = fn(x)
+    return x
+
+
+def _recursive_checkpoint(fns: Sequence[Callable[[X], X]]) -> Callable[[X], X]:
+    """``fns`` composed (``fns[0]`` first), the first half of each split fully rematerialised."""
+    import jax
+
+    if len(fns) == 1:
+        return fns[0]
+    if len(fns) == 2:
+        first, second = fns
+        return lambda x: second(first(x))
+    first = _recursive_checkpoint(fns[: len(fns) // 2])
+    second = _recursive_checkpoint(fns[len(fns) // 2 :])
+    checkpointed_first = jax.checkpoint(first)
+    return lambda x: second(checkpointed_first(x))
+
+
+def scan_layers(plan: RematPlan, body: Callable[[Any, X], X], stacked_params: Any, x: X) -> X:
+    """Run a scanned model's layers: ``body(layer_params, x) -> x`` over ``stacked_params``,
+    whose every leaf has a leading axis of length ``len(plan.layers)``.
+
+    One ``jax.lax.scan`` per run of equal policies (:func:`segments`) over that run's slice of
+    the parameters, its body wrapped in ``jax.checkpoint(body, policy=..., prevent_cse=False)``
+    (unwrapped for ``none``). Nested plans cannot be scanned: :class:`SpecError`.
+    """
+    import jax
+
+    if plan.layout != "flat":
+        raise SpecError(
+            f"plan: layout {plan.layout!r} is not supported for scanned layers; "
+            "use layout 'flat' or an unrolled model (scan: false)"
+        )
+    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(stacked_params)}
+    if lengths != {len(plan.layers)}:
+        raise SpecError(
+            f"plan: has {len(plan.layers)} layers, the stacked parameters have leading axes {sorted(lengths, key=str)}"
+        )
+    for start, end, policy in segments(plan):
+        step = body if policy.kind == "none" else jax.checkpoint(
+            body, policy=checkpoint_policy(policy), prevent_cse=False
+        )
+        params = stacked_params if end - start == len(plan.layers) else jax.tree.map(
+            lambda a, s=start, e=end: a[s:e], stacked_params
+        )
+        x, _ = jax.lax.scan(lambda carry, p, f=step: (f(p, carry), None), x, params)
+    return x
 
 
 def collapse_runs(items: Iterable[str]) -> str:

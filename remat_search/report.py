@@ -3,7 +3,8 @@
 Everything here reads storage and never writes it, so queries are cheap and safe to run
 beside a search. The front is optuna's own (``study.best_trials``: feasible, complete,
 non-dominated in step time and peak bytes); the best plan for a budget is the fastest
-*timed* plan whose compiled peak fits it, across every trial of the study.
+*timed* plan whose compiled peak fits it, across every trial of the study, by its
+confirmed (re-timed) median where it has one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan, SpecError
-from remat_search.store import TrialResult, load_study, open_storage, translate_errors, trial_result
+from remat_search.store import (
+    TrialResult,
+    load_confirmations,
+    load_study,
+    open_storage,
+    translate_errors,
+    trial_result,
+)
 from remat_search.units import format_bytes, parse_bytes
 
 
@@ -47,10 +55,13 @@ class StudyReport(BaseModel):
         return out
 
     def best(self, budget: int) -> TrialResult:
-        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`."""
+        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`.
+
+        Confirmed plans rank by their re-timed medians; others by their search medians.
+        """
         fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
         if fitting:
-            return min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
+            return min(fitting, key=lambda t: (t.ranking_seconds, t.peak_bytes, t.number))
         peaks = [t for t in self.trials if t.peak_bytes is not None]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
@@ -73,7 +84,8 @@ class StudyReport(BaseModel):
 
 def study_report(study: optuna.Study) -> StudyReport:
     """Build the report of an open study."""
-    trials = tuple(trial_result(t) for t in study.get_trials(deepcopy=False))
+    confirmed = load_confirmations(study)
+    trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
     by_number = {t.number: t for t in trials}
     front, seen = [], set()
     for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):

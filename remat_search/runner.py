@@ -10,6 +10,7 @@ reason, and the next candidate gets a fresh worker.
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing
 import os
 import signal
@@ -20,8 +21,8 @@ from multiprocessing.connection import Connection
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import SpecError, WorkloadError
-from remat_search.measurement import Measurement, measure, reference_gradients
+from remat_search.errors import RematSearchError, SpecError, WorkloadError
+from remat_search.measurement import Measurement, compiler_options, measure, reference_gradients, retime
 from remat_search.plan import RematPlan
 from remat_search.spec import Target, TimingConfig, WorkloadConfig
 from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
@@ -46,6 +47,8 @@ class DeviceInfo(BaseModel):
     """Whether plans run here (local) or are only compiled (a TPU target from elsewhere)."""
     jax_version: str
     workload_fingerprint: str
+    compiler_options: str = ""
+    """The options and XLA flags plans are compiled with (part of the measurement cache key)."""
 
 
 class Runner:
@@ -62,9 +65,11 @@ class Runner:
         timeout: float,
         target: Target = "local",
         mesh: dict[str, int] | None = None,
+        compilation_cache: str | None = None,
     ) -> None:
         self._workload = workload
         self._where = (target, mesh)
+        self._compilation_cache = compilation_cache
         self._timeout = timeout
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -105,6 +110,27 @@ class Runner:
             return Measurement(status="failed", plan_digest=plan.digest, error=payload)
         return Measurement.model_validate_json(payload)
 
+    def retime(self, plans: list[RematPlan], *, warmup: int, rounds: int) -> list[tuple[float, ...]]:
+        """Time ``plans`` interleaved in the worker (see :func:`measurement.retime`).
+
+        Raises :class:`RematSearchError` if the worker fails or runs past the timeout per plan.
+        """
+        self._ensure_worker()
+        assert self._conn is not None
+        self._conn.send(("retime", [p.to_json() for p in plans], warmup, rounds))
+        if not self._conn.poll(self._timeout * len(plans)):
+            self.close()
+            raise RematSearchError(f"confirm: re-timing timed out after {self._timeout * len(plans):g} s; worker killed")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            reason = self._death_reason()
+            self.close()
+            raise RematSearchError(f"confirm: re-timing failed ({reason})") from None
+        if kind == "error":
+            raise RematSearchError(f"confirm: re-timing failed ({payload})")
+        return [tuple(t) for t in json.loads(payload)]
+
     def close(self) -> None:
         """Stop the worker (killing it if it does not stop at once)."""
         if self._process is not None:
@@ -122,7 +148,8 @@ class Runner:
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child_conn, self._workload, self._where, os.getpid()),
+            target=_serve,
+            args=(child_conn, self._workload, self._where, self._compilation_cache, os.getpid()),
             name="remat-search-worker", daemon=True,
         )
         self._process.start()
@@ -158,6 +185,7 @@ def _serve(
     conn: Connection,
     workload_config: WorkloadConfig,
     where: tuple[Target, dict[str, int] | None],
+    compilation_cache: str | None,
     parent_pid: int,
 ) -> None:
     """The worker's loop: build the workload once, then measure plan after plan."""
@@ -169,6 +197,9 @@ def _serve(
         import jax
 
         from remat_search.workload import build_workload
+
+        if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
+            jax.config.update("jax_compilation_cache_dir", compilation_cache)
 
         workload = build_workload(workload_config)
         devices = target_devices(target)
@@ -184,6 +215,10 @@ def _serve(
             memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
             executes=chip is None, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
+            compiler_options=json.dumps({
+                "options": compiler_options(chip is None and devices[0].platform == "cpu"),
+                **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+            }, sort_keys=True),
         )
     except SpecError as e:
         conn.send(("spec_error", str(e)))
@@ -195,10 +230,16 @@ def _serve(
     reference = functools.cache(lambda: reference_gradients(workload))
     while True:
         try:
-            _, plan_json, budget, timing, tolerance = conn.recv()
+            command, *args = conn.recv()
         except EOFError:
             return
         try:
+            if command == "retime":
+                plans_json, warmup, rounds = args
+                plans = [RematPlan.model_validate_json(p) for p in plans_json]
+                conn.send(("ok", json.dumps(retime(workload, plans, warmup=warmup, rounds=rounds, mesh=mesh))))
+                continue
+            plan_json, budget, timing, tolerance = args
             m = measure(
                 workload, RematPlan.model_validate_json(plan_json), budget=budget,
                 timing=timing, gradient_tolerance=tolerance, reference_grads=reference,

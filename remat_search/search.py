@@ -11,34 +11,39 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import time
 from collections.abc import Callable
 
 import optuna
 import psutil
+import sqlalchemy
 from optuna.trial import TrialState
 
+from remat_search import cache
+from remat_search.confirm import confirm
 from remat_search.errors import SpecError
 from remat_search.measurement import Measurement
+from remat_search.planner import make_sampler
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import DeviceInfo, Runner
-from remat_search.space import check_space, make_sampler, param_names, preset_params, suggest_plan
-from remat_search.spec import SearchSpec
+from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
+from remat_search.spec import SearchSpec, SpaceConfig
 from remat_search.store import (
+    CACHED_ATTR,
     FAILURE_ATTR,
     HOST_ATTR,
     INTERRUPTED,
+    LABELS_ATTR,
     MEASUREMENT_ATTR,
     PID_ATTR,
     PLAN_ATTR,
     REUSED_ATTR,
     TrialResult,
     check_storage,
-    choice_labels,
     open_storage,
     translate_errors,
-    trial_result,
 )
 from remat_search.units import format_bytes
 from remat_search.workload import build_workload
@@ -49,6 +54,7 @@ STARTED_ATTR = "pid_started"
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 INITIALIZED_ATTR = "initialized"
+LAYERS_ATTR = "layers"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
@@ -62,7 +68,11 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     workload = build_workload(spec.workload)
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
-    with Runner(spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh) as runner:
+    runner = Runner(
+        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
+        compilation_cache=_cache_dir(spec.compilation_cache),
+    )
+    with runner:
         device = runner.describe()
         offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
         if offload and device.platform == "cpu":
@@ -73,21 +83,22 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         budget = resolve_budget(spec.budget, device)
         storage = open_storage(spec.storage, create=True)
         with translate_errors(spec.storage):
+            cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, workload.layers)
-            _requeue_interrupted(study, len(param_names(spec.space, workload.layers)))
+            _requeue_interrupted(study, n_params(spec.space, workload.layers))
             if on_progress:
                 on_progress(_finished(study), spec.trials, None, device)
-            measured = {
-                m.plan_digest: (t.number, m)
-                for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if REUSED_ATTR not in t.user_attrs and (m := trial_result(t).measurement) is not None
-            }
             # Counted afresh each time: other processes may be searching the same study.
             while (done := _finished(study)) < spec.trials:
-                result = _run_trial(spec, budget, study, runner, workload.layers, measured)
+                result = _run_trial(spec, budget, study, runner, workload.layers, storage.engine, device)
                 if on_progress:
                     on_progress(done + 1, spec.trials, result, device)
-        return study_report(study)
+            if spec.confirm.top and device.executes and _fits_any(study, budget):
+                return confirm(
+                    study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
+                    warmup=spec.timing.warmup,
+                )
+            return study_report(study)
 
 
 def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
@@ -114,37 +125,46 @@ def _run_trial(
     study: optuna.Study,
     runner: Runner,
     layers: int,
-    measured: dict[str, tuple[int, Measurement]],
+    engine: sqlalchemy.Engine,
+    device: DeviceInfo,
 ) -> TrialResult:
-    """Ask for one plan, measure it (or reuse the study's measurement of it), record it.
+    """Ask for one plan, measure it (or reuse its cached measurement), record it.
 
     If anything interrupts it here (Ctrl-C, a worker that cannot restart), the trial is
     failed as interrupted and its plan queued again before the error goes on.
     """
     trial = study.ask()
+    reused_from = cached_from = None
     try:
-        reused_from = None
         me = psutil.Process()
         trial.set_user_attr(HOST_ATTR, socket.gethostname())
         trial.set_user_attr(PID_ATTR, me.pid)
         trial.set_user_attr(STARTED_ATTR, me.create_time())
         plan = suggest_plan(spec.space, layers, trial)
+        labels = layer_labels(spec.space, layers, trial.params)
         trial.set_user_attr(PLAN_ATTR, plan.to_json())
-        if plan.digest in measured:
-            reused_from, m = measured[plan.digest]
-            trial.set_user_attr(REUSED_ATTR, reused_from)
+        trial.set_user_attr(LABELS_ATTR, list(labels))
+        hit = cache.lookup(engine, device, plan.digest)
+        m = cache.reuse(hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance) if hit else None
+        if m is not None:
+            assert hit is not None
+            if hit[1] == spec.study:
+                reused_from = hit[2]
+                trial.set_user_attr(REUSED_ATTR, reused_from)
+            else:
+                cached_from = f"{hit[1]}#{hit[2]}"
+                trial.set_user_attr(CACHED_ATTR, cached_from)
         else:
             m = runner.measure(plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
     except BaseException:
-        _interrupt(study, study._storage.get_trial(trial._trial_id), len(param_names(spec.space, layers)))
+        _interrupt(study, study._storage.get_trial(trial._trial_id), n_params(spec.space, layers))
         raise
     _record(study, trial, m, budget)
-    if m.status != "failed":
-        measured.setdefault(plan.digest, (trial.number, m))
+    if reused_from is None and cached_from is None:
+        cache.store(engine, device, m, study=spec.study, trial=trial.number)
     return TrialResult(
-        number=trial.number, status=m.status, plan=plan, measurement=m,
-        labels=choice_labels(trial.params, plan),
-        reused_from=reused_from, error=m.error,
+        number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
+        reused_from=reused_from, cached_from=cached_from, error=m.error,
     )
 
 
@@ -182,6 +202,7 @@ def _open_study(
         for key, value in identity.items():
             study.set_user_attr(key, value)
         study.set_user_attr("device_info", device.model_dump())
+        study.set_user_attr(LAYERS_ATTR, layers)
         queued = [t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
         for params in preset_params(spec.space, layers):
             if params not in queued:
@@ -195,7 +216,9 @@ def _open_study(
                 "give this search a new study name"
             )
     # Not the same seed as last time: a resumed search must not replay its proposals.
-    study.sampler = make_sampler(spec.sampler, offset=len(study.get_trials(deepcopy=False)))
+    study.sampler = make_sampler(
+        spec.sampler, space=spec.space, layers=layers, budget=budget, offset=len(study.get_trials(deepcopy=False))
+    )
     return study
 
 
@@ -226,6 +249,29 @@ def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
         return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
     except psutil.NoSuchProcess:
         return True
+
+
+def n_params(space: SpaceConfig, layers: int) -> int:
+    """How many parameters a trial of ``space`` sets (its units, and its layout if nested)."""
+    return len(param_names(space, layers)) + (1 if space.nested else 0)
+
+
+def _fits_any(study: optuna.Study, budget: int) -> bool:
+    return any(
+        t.status == "measured" and not t.time_estimated and t.peak_bytes is not None and t.peak_bytes <= budget
+        for t in study_report(study).trials
+    )
+
+
+def _cache_dir(path: str | None) -> str | None:
+    """The compilation cache directory, made if missing (None: no cache)."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"spec.compilation_cache: cannot create {path!r} ({e.strerror})") from None
+    return os.path.abspath(path)
 
 
 def _finished(study: optuna.Study) -> int:

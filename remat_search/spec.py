@@ -24,6 +24,7 @@ from pydantic import (
     PositiveInt,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -55,6 +56,10 @@ class TransformerConfig(_Frozen):
     vocab: PositiveInt
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameters and activations (bf16 as real TPU runs use; the loss is taken in f32)."""
+    scan: bool = False
+    """Stack the layers' parameters (leading axis = layers) and run them with ``lax.scan``:
+    one scan per run of equal policies ("segments"), so compile time stays about constant in
+    depth. Nested plans cannot be scanned."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TransformerConfig:
@@ -140,8 +145,31 @@ class PolicyChoice(_Frozen):
 class SpaceConfig(_Frozen):
     """The plans a study may propose: a layout and a finite list of policy choices."""
 
-    layout: Literal["uniform", "per_layer"] = "per_layer"
+    layout: Literal["uniform", "per_layer", "segments"] = "per_layer"
+    """``uniform``: one choice for all layers; ``per_layer``: one a layer; ``segments``: one
+    for each contiguous group of layers given by ``segments``."""
+    segments: PositiveInt | tuple[PositiveInt, ...] | None = Field(default=None, validate_default=True)
+    """With ``layout: segments`` (and only then): N near-equal contiguous groups (earlier
+    groups take the remainder), or the list of group sizes, which must sum to the layers."""
+    nested: bool = False
+    """Also search the nested layout (the JAX guide's recursive checkpointing): one more
+    parameter, ``layout``, of ``flat`` or ``nested``."""
     choices: tuple[PolicyChoice, ...] = Field(min_length=1)
+
+    @field_validator("segments", mode="before")
+    @classmethod
+    def _segments_iff_layout(cls, segments: Any, info: ValidationInfo) -> Any:
+        layout = info.data.get("layout")
+        if layout == "segments" and segments is None:
+            raise ValueError("required with layout: segments (a number of groups or a list of sizes)")
+        if layout is not None and layout != "segments" and segments is not None:
+            raise ValueError(f"only allowed with layout: segments, not with layout: {layout}")
+        sizes = segments if isinstance(segments, (list, tuple)) else [segments]
+        if segments is not None and (
+            not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+        ):
+            raise ValueError(f"expected a positive number of groups or a list of positive sizes, got {segments!r}")
+        return segments
 
     @field_validator("choices")
     @classmethod
@@ -160,7 +188,9 @@ class SpaceConfig(_Frozen):
 class SamplerConfig(_Frozen):
     """Which optuna sampler proposes plans (constraint-aware ones learn from the budget)."""
 
-    kind: Literal["tpe", "nsga2", "random"] = "tpe"
+    kind: Literal["planner", "tpe", "nsga2", "random"] = "planner"
+    """``planner``: the cost model's best plans for the budget and along the front, then TPE
+    (see ``planner.py``); or one of optuna's samplers."""
     seed: int | None = 0
 
 
@@ -204,6 +234,14 @@ class TimingConfig(_Frozen):
     timeout: Seconds = 300.0
 
 
+class ConfirmConfig(_Frozen):
+    """How a search ends: its ``top`` fastest plans that fit, re-timed interleaved ``rounds``
+    times (``top: 0`` skips it; compile-only targets never run it)."""
+
+    top: NonNegativeInt = 3
+    rounds: PositiveInt = 10
+
+
 class SearchSpec(_Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
 
@@ -223,11 +261,23 @@ class SearchSpec(_Frozen):
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     gradient_tolerance: PositiveFloat = 1e-3
+    confirm: ConfirmConfig = ConfirmConfig()
+    compilation_cache: str | None = "storage/jax-cache"
+    """Directory of JAX's persistent compilation cache for the worker (null: none): a plan
+    compiled before, in any study, loads in a moment instead of compiling again."""
 
     @field_validator("study")
     @classmethod
     def _study_name(cls, value: str) -> str:
         return check_study_name(value)
+
+    @model_validator(mode="after")
+    def _nested_needs_unrolled(self) -> SearchSpec:
+        if self.space.nested and isinstance(self.workload, TransformerConfig) and self.workload.scan:
+            raise ValueError(
+                "space.nested: the nested layout cannot be scanned; set workload.scan: false or nested: false"
+            )
+        return self
 
 
 def check_study_name(value: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,9 +33,40 @@ CONNECT_TIMEOUT_SECONDS = 10
 # Trial user attributes written by the search.
 PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
 HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
+PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
+LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 
 TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
+
+
+CONFIRMATION_ATTR = "confirmation"
+
+
+class Confirmed(BaseModel):
+    """One plan's re-timed steps, from one interleaved session."""
+
+    model_config = ConfigDict(frozen=True)
+
+    times: tuple[float, ...]
+    rounds: int
+    session: str
+    """When the session ran (UTC, ISO 8601): plans confirmed together share it."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> float:
+        """(max − min) / median of the re-timed steps."""
+        return (max(self.times) - min(self.times)) / self.median
+
+
+def load_confirmations(study: optuna.Study) -> dict[int, Confirmed]:
+    """The confirmed times stored in ``study``, by trial number."""
+    stored = study.user_attrs.get(CONFIRMATION_ATTR, {})
+    return {int(number): Confirmed.model_validate(c) for number, c in stored.items()}
 
 
 class TrialResult(BaseModel):
@@ -49,6 +81,11 @@ class TrialResult(BaseModel):
     """The spec's choice label of each layer (what the sampler picked)."""
     measurement: Measurement | None = None
     reused_from: int | None = None
+    cached_from: str | None = None
+    """``study#trial`` whose measurement of the same plan (same workload and device) this reuses."""
+    prediction: dict[str, float] | None = None
+    """The planner's prediction (peak, seconds) when it proposed this plan."""
+    confirmed: Confirmed | None = None
     error: str | None = None
 
     @property
@@ -70,6 +107,11 @@ class TrialResult(BaseModel):
     def step_seconds(self) -> float | None:
         """Measured median step time, or the estimate where nothing ran."""
         return self.measurement.step_seconds if self.measurement else None
+
+    @property
+    def ranking_seconds(self) -> float | None:
+        """The step time plans are ranked by: the confirmed median where there is one."""
+        return self.confirmed.median if self.confirmed else self.step_seconds
 
 
 def resolve_url(url: str | None) -> str:
@@ -160,8 +202,9 @@ def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
         ) from None
 
 
-def trial_result(trial: FrozenTrial) -> TrialResult:
-    """Read a trial's plan, measurement and outcome from what the search stored."""
+def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> TrialResult:
+    """Read a trial's plan, measurement and outcome from what the search stored (and its
+    confirmed times, which live on the study)."""
     attrs = trial.user_attrs
     plan = RematPlan.model_validate_json(attrs[PLAN_ATTR]) if PLAN_ATTR in attrs else None
     measurement = (
@@ -178,18 +221,10 @@ def trial_result(trial: FrozenTrial) -> TrialResult:
     error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
     return TrialResult(
         number=trial.number, status=status, plan=plan, measurement=measurement,
-        labels=choice_labels(trial.params, plan),
-        reused_from=attrs.get(REUSED_ATTR), error=error,
+        labels=tuple(attrs.get(LABELS_ATTR, ())), reused_from=attrs.get(REUSED_ATTR),
+        cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
+        error=error,
     )
-
-
-def choice_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
-    """Per-layer choice labels from a trial's parameters (``policy`` or ``layer_NN``)."""
-    if plan is None or not params:
-        return ()
-    if "policy" in params:
-        return (str(params["policy"]),) * len(plan.layers)
-    return tuple(str(params[k]) for k in sorted(params, key=lambda k: int(k.rpartition("_")[2])))
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:

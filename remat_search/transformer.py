@@ -2,9 +2,13 @@
 
 Token embeddings, ``layers`` pre-norm blocks (RMSNorm → causal multi-head attention →
 residual → RMSNorm → gelu MLP → residual), a final norm and logits, cross-entropy on the
-next token. Each block is wrapped with ``nn.remat`` by the plan. The block names its
-tensors as MaxText does, so ``names`` policies can keep them: ``query_proj``,
-``key_proj``, ``value_proj``, ``context``, ``out_proj``, ``mlpwi``, ``mlpwo``.
+next token. The parameters are one tree per module (``embed``, ``layer_0`` … or, with
+``scan: true``, ``layers`` stacked along a leading axis, ``final_norm``, ``logits``) and do
+not depend on the plan; the loss applies the blocks functionally, checkpointed by the plan
+(:func:`~remat_search.plan.apply_layers`, or :func:`~remat_search.plan.scan_layers` with one
+``lax.scan`` per run of equal policies). The block names its tensors as MaxText does, so
+``names`` policies can keep them: ``query_proj``, ``key_proj``, ``value_proj``,
+``context``, ``out_proj``, ``mlpwi``, ``mlpwo``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from remat_search.plan import RematPlan
+from remat_search.plan import RematPlan, apply_layers, scan_layers
 from remat_search.spec import TransformerConfig
 from remat_search.workload import PyTree, Workload
 
@@ -62,25 +66,9 @@ class Block(nn.Module):
         return x + checkpoint_name(dense(c.d_model, name="wo")(nn.gelu(h)), "mlpwo")
 
 
-class Decoder(nn.Module):
-    """Embeddings, one :class:`Block` per layer (each remat-wrapped by ``plan``), logits."""
-
-    config: TransformerConfig
-    plan: RematPlan
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config
-        norm, dense, _ = _layers(c)
-        x = nn.Embed(c.vocab, c.d_model, dtype=c.dtype, param_dtype=c.dtype, name="embed")(tokens)
-        for i in range(c.layers):
-            x = self.plan.remat_module(Block, i)(c, name=f"layer_{i}")(x)
-        x = norm(name="final_norm")(x)
-        return dense(c.vocab, name="logits")(x)
-
-
 class TransformerWorkload(Workload):
-    """The :class:`Decoder` at the sizes of a :class:`TransformerConfig`."""
+    """Embeddings, ``layers`` :class:`Block` s (unrolled or scanned), final norm and logits,
+    at the sizes of a :class:`TransformerConfig`."""
 
     name = "transformer"
     tensor_names = TENSOR_NAMES
@@ -89,22 +77,62 @@ class TransformerWorkload(Workload):
         self.config = config
         self.layers = config.layers
 
-    def _model(self, plan: RematPlan) -> Decoder:
-        return Decoder(self.config, plan)
+    def _modules(self) -> dict[str, nn.Module]:
+        c = self.config
+        norm, dense, _ = _layers(c)
+        return {
+            "embed": nn.Embed(c.vocab, c.d_model, dtype=c.dtype, param_dtype=c.dtype),
+            "block": Block(c),
+            "final_norm": norm(),
+            "logits": dense(c.vocab),
+        }
 
     def init_params(self, key: jax.Array) -> PyTree:
-        tokens = jnp.zeros((1, self.config.seq_len), jnp.int32)
-        return self._model(RematPlan.uniform("none", self.layers)).init(key, tokens)["params"]
+        """``{embed, layer_0 … layer_{n-1} | layers (stacked), final_norm, logits}``.
+
+        Layer ``i`` is initialised from the same key whether scanned or not, so both forms
+        of one config and seed hold the same numbers.
+        """
+        c, m = self.config, self._modules()
+        embed_key, layers_key, norm_key, logits_key = jax.random.split(key, 4)
+        tokens = jnp.zeros((1, c.seq_len), jnp.int32)
+        x = jnp.zeros((1, c.seq_len, c.d_model), jnp.dtype(c.dtype))
+
+        def init_block(k: jax.Array) -> PyTree:
+            return m["block"].init(k, x)["params"]
+
+        layer_keys = jax.random.split(layers_key, c.layers)
+        if c.scan:
+            layers = {"layers": jax.vmap(init_block)(layer_keys)}
+        else:
+            layers = {f"layer_{i}": init_block(k) for i, k in enumerate(layer_keys)}
+        return {
+            "embed": m["embed"].init(embed_key, tokens)["params"],
+            **layers,
+            "final_norm": m["final_norm"].init(norm_key, x)["params"],
+            "logits": m["logits"].init(logits_key, x)["params"],
+        }
 
     def make_batch(self, key: jax.Array) -> PyTree:
         c = self.config
         return jax.random.randint(key, (c.batch, c.seq_len + 1), 0, c.vocab, dtype=jnp.int32)
 
     def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
-        model = self._model(plan)
+        c, m = self.config, self._modules()
+
+        def block(layer_params: PyTree, x: jax.Array) -> jax.Array:
+            return m["block"].apply({"params": layer_params}, x)
 
         def loss_fn(params: PyTree, tokens: jax.Array) -> jax.Array:
-            logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+            x = m["embed"].apply({"params": params["embed"]}, tokens[:, :-1])
+            if c.scan:
+                x = scan_layers(plan, block, params["layers"], x)
+            else:
+                x = apply_layers(
+                    plan, [functools.partial(block, params[f"layer_{i}"]) for i in range(c.layers)], x
+                )
+            x = m["final_norm"].apply({"params": params["final_norm"]}, x)
+            logits = m["logits"].apply({"params": params["logits"]}, x).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
         return loss_fn

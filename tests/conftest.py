@@ -37,6 +37,8 @@ def spec_dict(storage: str, **overrides: Any) -> dict[str, Any]:
         "trials": 6,
         "sampler": {"kind": "tpe", "seed": 0},
         "timing": FAST_TIMING,
+        "confirm": {"top": 2, "rounds": 2},
+        "compilation_cache": None,
     }
     spec.update(overrides)
     return spec

@@ -1,0 +1,116 @@
+"""The measurement cache: each plan is compiled once per workload and device, across studies.
+
+A measurement depends on the workload (its fingerprint), the plan (its digest), where it
+was compiled (target and mesh), the device kind, the JAX version and the compiler options
+(XLA flags included) — that tuple is the key of our own table, ``remat_search_measurements``,
+in the same database as optuna's tables. A new study with another budget, a re-run of a
+finished search, or another host searching the same workload reuses every measurement in
+it; :func:`reuse` re-judges a cached measurement against the new budget and tolerance.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+
+import sqlalchemy as sa
+
+from remat_search.measurement import Measurement
+from remat_search.runner import DeviceInfo
+
+metadata = sa.MetaData()
+measurements = sa.Table(
+    "remat_search_measurements",
+    metadata,
+    sa.Column("workload", sa.String(64), primary_key=True),
+    sa.Column("plan", sa.String(64), primary_key=True),
+    sa.Column("backend", sa.String(255), primary_key=True),
+    sa.Column("device_kind", sa.String(128), primary_key=True),
+    sa.Column("jax_version", sa.String(32), primary_key=True),
+    sa.Column("compiler_options", sa.String(64), primary_key=True),
+    sa.Column("measurement", sa.Text, nullable=False),
+    sa.Column("study", sa.String(128)),
+    sa.Column("trial", sa.Integer),
+    sa.Column("created", sa.DateTime),
+)
+
+
+def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
+    """The key columns of one plan's measurement on ``device``."""
+    backend = json.dumps({"target": device.target, "platform": device.platform, "mesh": device.mesh}, sort_keys=True)
+    return {
+        "workload": device.workload_fingerprint,
+        "plan": plan_digest,
+        "backend": backend,
+        "device_kind": device.device_kind,
+        "jax_version": device.jax_version,
+        "compiler_options": hashlib.sha256(device.compiler_options.encode()).hexdigest()[:16],
+    }
+
+
+def create_table(engine: sa.Engine) -> None:
+    """Make the cache table if it is missing (optuna's tables are left alone)."""
+    metadata.create_all(engine, tables=[measurements])
+
+
+def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> tuple[Measurement, str, int] | None:
+    """The cached measurement of a plan with the study and trial that made it, or None."""
+    key = cache_key(device, plan_digest)
+    query = sa.select(measurements.c.measurement, measurements.c.study, measurements.c.trial).where(
+        *(measurements.c[column] == value for column, value in key.items())
+    )
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(query).first()
+    except sa.exc.OperationalError:  # no table yet: a database no search has written to
+        return None
+    if row is None:
+        return None
+    return Measurement.model_validate_json(row.measurement), row.study, row.trial
+
+
+def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, trial: int) -> None:
+    """Keep ``m`` unless it failed (failures may be passing: a busy machine, a timeout).
+
+    A measurement that ran replaces one that was only compiled (over an earlier budget).
+    """
+    if m.status == "failed":
+        return
+    key = cache_key(device, m.plan_digest)
+    row = {**key, "measurement": m.model_dump_json(), "study": study, "trial": trial,
+           "created": datetime.datetime.now(datetime.UTC).replace(tzinfo=None)}
+    where = [measurements.c[column] == value for column, value in key.items()]
+    with engine.begin() as connection:
+        old = connection.execute(sa.select(measurements.c.measurement).where(*where)).first()
+        if old is None:
+            try:
+                connection.execute(measurements.insert().values(**row))
+            except sa.exc.IntegrityError:  # another process stored it a moment ago
+                pass
+        elif m.status == "measured" and Measurement.model_validate_json(old.measurement).status != "measured":
+            connection.execute(measurements.update().where(*where).values(**row))
+
+
+def reuse(m: Measurement, *, budget: int, gradient_tolerance: float) -> Measurement | None:
+    """``m`` judged against this study's budget and tolerance; None if it must be measured again.
+
+    A plan that ran is over budget if its peak is; one only compiled (over an earlier, smaller
+    budget) must be run if it now fits. The compiler's own out-of-memory is final.
+    """
+    peak = m.peak_bytes
+    if m.status == "over_budget" and m.memory is None:  # the device itself cannot hold it
+        return m
+    if peak is None:
+        return None
+    if peak > budget:
+        return m.model_copy(update={"status": "over_budget", "step_times": (), "time_source": None, "error": None})
+    if m.status != "measured":
+        return None
+    if m.grad_rel_error is not None and not m.grad_rel_error <= gradient_tolerance:
+        return m.model_copy(update={
+            "status": "failed",
+            "error": f"gradients differ from those of plan {m.grad_reference!r}: relative error "
+            f"{m.grad_rel_error:.3g} > gradient_tolerance {gradient_tolerance:g}",
+        })
+    return m

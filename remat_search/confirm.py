@@ -1,0 +1,57 @@
+"""Confirmation: re-time a study's fastest plans side by side before anyone trusts the order.
+
+Step times on shared machines drift: a plan timed during a busy minute looks slower than
+it is. Confirmation re-times the top plans that fit a budget *interleaved* — A B C A B C … —
+so a slow spell slows them all alike, and ranks them by those medians. The times are
+kept in the study (user attribute ``confirmation``, one entry per trial) and
+:meth:`StudyReport.best` ranks by them where present.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import optuna
+
+from remat_search.errors import NoFeasiblePlan, RematSearchError
+from remat_search.report import StudyReport, study_report
+from remat_search.runner import Runner
+from remat_search.store import CONFIRMATION_ATTR, Confirmed, TrialResult, load_confirmations
+
+
+def candidates(report: StudyReport, budget: int, top: int) -> list[TrialResult]:
+    """The ``top`` fastest distinct plans that ran and fit ``budget``, by their search medians."""
+    fitting = [
+        t for t in report.timed()
+        if not t.time_estimated and t.peak_bytes is not None and t.peak_bytes <= budget
+    ]
+    if not fitting:
+        raise NoFeasiblePlan(f"budget: study {report.study!r} has no plan that ran and fits it")
+    return sorted(fitting, key=lambda t: (t.measurement.step_seconds, t.number))[:top]
+
+
+def confirm(
+    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int
+) -> StudyReport:
+    """Re-time the ``top`` fastest plans fitting ``budget`` interleaved; store and return the report.
+
+    Plans already confirmed together in one session with at least ``rounds`` rounds are
+    not re-timed (re-running a finished search costs nothing).
+    """
+    report = study_report(study)
+    chosen = candidates(report, budget, top)
+    if len(chosen) < 2 and top >= 2:
+        return report  # nothing to order
+    done = load_confirmations(study)
+    sessions = {done[t.number].session for t in chosen if t.number in done}
+    if len(sessions) == 1 and all(t.number in done and done[t.number].rounds >= rounds for t in chosen):
+        return report
+    times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds)
+    if len(times) != len(chosen):
+        raise RematSearchError("confirm: the worker returned times for another number of plans")
+    session = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    stored = dict(study.user_attrs.get(CONFIRMATION_ATTR, {}))
+    for t, seconds in zip(chosen, times, strict=True):
+        stored[str(t.number)] = Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
+    study.set_user_attr(CONFIRMATION_ATTR, stored)
+    return study_report(study)

@@ -1,0 +1,362 @@
+"""The planner: a per-layer cost model fitted to a study's measurements, solved exactly.
+
+Every measured plan teaches the model what each choice costs at each position. Peak
+memory and step time are modelled as a base (the plan of the first choice everywhere,
+usually no remat) plus one delta per (unit, choice), where a unit is a layer, a segment
+or the whole stack, whichever the space's parameters are:
+
+* the **prior** comes from the uniform presets. A choice's memory saving is spread over the
+  units by the layers they hold *before the last one* — the last layer's residuals are
+  needed as soon as the backward pass starts, so checkpointing it saves nothing — and its
+  extra time by the layers they hold, priced from its extra FLOPs at the study's measured
+  seconds per FLOP (so presets that never ran, being over budget, still get a time);
+* every other measurement corrects the prior (ridge regression towards it), which learns
+  what the prior gets wrong, e.g. that early layers' residuals live longest.
+
+:func:`solve_front` then finds the exact Pareto front of predicted (peak, time) over all
+plans by dynamic programming over units (a multiple-choice knapsack), and
+:class:`PlannerSampler` proposes its best plan for the budget and for a spread of smaller
+budgets, handing over to TPE when the model has nothing new to propose. Predictions only
+choose what to measure: every proposal is compiled and measured like any other trial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.space import LAYOUT_PARAM, param_names, unit_layers
+from remat_search.spec import SamplerConfig, SpaceConfig
+from remat_search.store import PREDICTION_ATTR, trial_result
+
+RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
+"""Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
+its delta halfway from the prior."""
+TARGETS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
+"""Budgets the sampler plans for, as fractions of the study's: the budget first, then the front."""
+MAX_STATES = 20_000
+"""Front size above which :func:`solve_front` merges states of nearly equal memory."""
+
+
+class Observation(BaseModel):
+    """What one measured plan says: its choices and what the compiler and the clock saw."""
+
+    model_config = ConfigDict(frozen=True)
+
+    choices: tuple[str, ...]
+    """The choice label of each unit."""
+    peak: float | None = None
+    flops: float | None = None
+    seconds: float | None = None
+
+
+class Prediction(BaseModel):
+    """The model's peak bytes and step seconds for one plan."""
+
+    model_config = ConfigDict(frozen=True)
+
+    choices: tuple[str, ...]
+    peak: float
+    seconds: float
+
+
+class CostModel(BaseModel):
+    """Base + per-(unit, choice) deltas for peak bytes and step seconds (see the module doc)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    units: tuple[str, ...]
+    labels: tuple[str, ...]
+    """The choices the model can price (those whose uniform preset was compiled)."""
+    base_peak: float
+    base_seconds: float
+    peak: np.ndarray
+    """``[unit, label]`` delta of peak bytes from the base (0 for ``labels[0]``)."""
+    seconds: np.ndarray
+    observations: int
+
+    def predict(self, choices: Sequence[str]) -> Prediction | None:
+        """Predicted peak and time of a plan by choice label per unit; None for unknown labels."""
+        if any(c not in self.labels for c in choices):
+            return None
+        idx = [self.labels.index(c) for c in choices]
+        units = range(len(self.units))
+        return Prediction(
+            choices=tuple(choices),
+            peak=self.base_peak + float(sum(self.peak[u, k] for u, k in zip(units, idx, strict=True))),
+            seconds=self.base_seconds + float(sum(self.seconds[u, k] for u, k in zip(units, idx, strict=True))),
+        )
+
+    def front(self, cap: float | None = None) -> list[Prediction]:
+        """The predicted Pareto front, least memory first (only peaks ≤ ``cap`` if given)."""
+        states = solve_front(self.peak, self.seconds, cap=None if cap is None else cap - self.base_peak)
+        return [
+            Prediction(
+                choices=tuple(self.labels[k] for k in ks),
+                peak=self.base_peak + m, seconds=self.base_seconds + t,
+            )
+            for m, t, ks in states
+        ]
+
+    def best(self, budget: float) -> Prediction | None:
+        """The fastest plan predicted to fit ``budget``; None if none is predicted to."""
+        front = self.front(cap=budget)
+        return front[-1] if front else None
+
+
+def fit_cost_model(
+    observations: Sequence[Observation], *, labels: Sequence[str], unit_layers: Sequence[Sequence[int]],
+    units: Sequence[str], layers: int, ridge: float | None = None,
+) -> CostModel | None:
+    """Fit the model, or None while the study cannot price at least two choices yet.
+
+    A choice is priced once its uniform preset has a compiled peak and FLOP count; time
+    needs at least one plan that ran.
+    """
+    n_units = len(unit_layers)
+    presets: dict[str, list[Observation]] = {}
+    for o in observations:
+        if len(set(o.choices)) == 1 and len(o.choices) == n_units:
+            presets.setdefault(o.choices[0], []).append(o)
+    usable = [
+        label for label in labels
+        if any(o.peak is not None for o in presets.get(label, ())) and any(o.flops is not None for o in presets.get(label, ()))
+    ]
+    timed = [o for o in observations if o.seconds is not None and o.flops is not None]
+    if len(usable) < 2 or not timed:
+        return None
+    preset_peak = {label: _mean(o.peak for o in presets[label]) for label in usable}
+    preset_flops = {label: _mean(o.flops for o in presets[label]) for label in usable}
+    ref = usable[0]
+
+    # Where a choice's saving lands: layers before the last; its extra work: every layer.
+    before_last = [sum(1 for i in ls if i < layers - 1) / max(layers - 1, 1) for ls in unit_layers]
+    share = [len(ls) / layers for ls in unit_layers]
+    peak_prior = np.array([[(preset_peak[label] - preset_peak[ref]) * w for label in usable] for w in before_last])
+    flops_prior = np.array([[(preset_flops[label] - preset_flops[ref]) * w for label in usable] for w in share])
+
+    # Seconds per extra FLOP, from every plan that ran.
+    x = np.array([o.flops - preset_flops[ref] for o in timed])
+    y = np.array([o.seconds for o in timed])
+    if len(set(x.round(6))) >= 2:
+        slope, intercept = np.polyfit(x, y, 1)
+    else:
+        slope, intercept = 0.0, float(y.mean())
+    if slope <= 0:  # noise swamped the signal: time proportional to work
+        slope = float(y.mean() / np.mean([o.flops for o in timed]))
+        intercept = slope * preset_flops[ref]
+
+    index = {label: k for k, label in enumerate(usable)}
+    priced = [o for o in observations if all(c in index for c in o.choices) and len(o.choices) == n_units]
+    peak = _ridge(
+        [(o.choices, o.peak) for o in priced if o.peak is not None], index, preset_peak[ref], peak_prior, ridge
+    )
+    seconds = _ridge(
+        [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, float(intercept),
+        slope * flops_prior, ridge,
+    )
+    return CostModel(
+        units=tuple(units), labels=tuple(usable), base_peak=preset_peak[ref], base_seconds=float(intercept),
+        peak=peak, seconds=seconds, observations=len(priced),
+    )
+
+
+def _ridge(
+    data: list[tuple[tuple[str, ...], float]], index: Mapping[str, int], base: float, prior: np.ndarray,
+    ridge: float | None,
+) -> np.ndarray:
+    """Deltas ``prior + w``, ``w`` minimising ‖residual − Xw‖² + ridge·‖w‖² (w = 0 on the base choice).
+
+    ``ridge=None`` picks it from :data:`RIDGES` by leave-one-out error: large where the
+    prior already explains the data, small where the data show what it misses.
+    """
+    n_units, n_labels = prior.shape
+    if not data:
+        return prior
+    free = [u * n_labels + k for u in range(n_units) for k in range(1, n_labels)]
+    X = np.zeros((len(data), n_units * n_labels))
+    residual = np.zeros(len(data))
+    for row, (choices, value) in enumerate(data):
+        ks = [index[c] for c in choices]
+        for u, k in enumerate(ks):
+            X[row, u * n_labels + k] = 1.0
+        residual[row] = value - base - sum(prior[u, k] for u, k in enumerate(ks))
+    X = X[:, free]
+
+    def solve(lam: float) -> np.ndarray:
+        return np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T @ residual)
+
+    def loo_error(lam: float) -> float:
+        hat = X @ np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
+        return float(np.mean(((residual - hat @ residual) / np.maximum(1.0 - np.diag(hat), 1e-9)) ** 2))
+
+    lam = ridge if ridge is not None else min(RIDGES, key=loo_error)
+    deltas = prior.copy().reshape(-1)
+    deltas[free] += solve(lam)
+    return deltas.reshape(n_units, n_labels)
+
+
+def solve_front(
+    memory: np.ndarray, seconds: np.ndarray, *, cap: float | None = None, max_states: int = MAX_STATES
+) -> list[tuple[float, float, tuple[int, ...]]]:
+    """The Pareto front of ``Σ memory[u, k_u]`` vs ``Σ seconds[u, k_u]`` over all choices ``k``.
+
+    Dynamic programming over units: after each unit only the non-dominated partial plans
+    are kept, so the result is exact (the optimum for any cap is on it) unless the front
+    grows past ``max_states``, when states within 1/max_states of the memory range merge.
+    Returns ``(memory, seconds, choices)`` with memory ascending and seconds descending.
+    """
+    n_units = memory.shape[0]
+    lowest_rest = np.concatenate([np.cumsum(memory.min(axis=1)[::-1])[::-1], [0.0]])
+    states: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+    for u in range(n_units):
+        grown = [
+            (m + memory[u, k], t + seconds[u, k], ks + (k,))
+            for m, t, ks in states
+            for k in range(memory.shape[1])
+            if cap is None or m + memory[u, k] + lowest_rest[u + 1] <= cap
+        ]
+        states = _pareto(grown)
+        if len(states) > max_states:
+            states = _thin(states, max_states)
+    return states
+
+
+def _pareto(states: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
+    front: list[tuple[float, float, tuple[int, ...]]] = []
+    for state in sorted(states, key=lambda s: (s[0], s[1])):
+        if not front or state[1] < front[-1][1]:
+            front.append(state)
+    return front
+
+
+def _thin(states: list[tuple[float, float, tuple[int, ...]]], n: int) -> list[tuple[float, float, tuple[int, ...]]]:
+    low, high = states[0][0], states[-1][0]
+    width = (high - low) / n or 1.0
+    kept: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+    for state in states:  # seconds descend along the front: the last of a bucket is its fastest
+        kept[int((state[0] - low) / width)] = state
+    return list(kept.values())
+
+
+def _mean(values: Any) -> float:
+    values = [v for v in values if v is not None]
+    return float(sum(values) / len(values))
+
+
+def study_observations(study: optuna.Study, units: Sequence[str]) -> list[Observation]:
+    """One observation per distinct plan the study compiled (cache reuses counted once)."""
+    seen: dict[str, Observation] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        result = trial_result(t)
+        m = result.measurement
+        if m is None or m.memory is None or result.plan is None or not all(u in t.params for u in units):
+            continue
+        seen.setdefault(result.plan.digest, Observation(
+            choices=tuple(str(t.params[u]) for u in units), peak=m.memory.peak, flops=m.flops,
+            seconds=m.step_seconds if m.status == "measured" else None,
+        ))
+    return list(seen.values())
+
+
+def study_cost_model(study: optuna.Study, space: SpaceConfig, layers: int) -> CostModel | None:
+    """The cost model fitted to everything ``study`` has measured."""
+    units = param_names(space, layers)
+    return fit_cost_model(
+        study_observations(study, units), labels=[c.label for c in space.choices],
+        unit_layers=unit_layers(space, layers), units=units, layers=layers,
+    )
+
+
+class PlannerSampler(optuna.samplers.BaseSampler):
+    """Proposes the cost model's best plans for the budget and along the front, then TPE's.
+
+    Each proposal is one the study has not tried yet; its prediction is stored on the trial
+    (user attribute ``prediction``) so reports can set it beside the measurement. Queued
+    trials (the presets) pass through untouched.
+    """
+
+    def __init__(self, space: SpaceConfig, layers: int, budget: int, *, seed: int | None = None) -> None:
+        self._space, self._layers, self._budget = space, layers, budget
+        self._units = param_names(space, layers)
+        self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        if "fixed_params" in trial.system_attrs:
+            return {}
+        labels = tuple(c.label for c in self._space.choices)
+        space: dict[str, BaseDistribution] = {u: CategoricalDistribution(labels) for u in self._units}
+        if self._space.nested:
+            space[LAYOUT_PARAM] = CategoricalDistribution(("flat", "nested"))
+        return space
+
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        if not search_space:
+            return {}
+        proposal = self._propose(study)
+        if proposal is None:
+            tpe_space = self._tpe.infer_relative_search_space(study, trial)
+            return self._tpe.sample_relative(study, trial, tpe_space)
+        prediction, target, trained_on = proposal
+        study._storage.set_trial_user_attr(trial._trial_id, PREDICTION_ATTR, {
+            "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
+        })
+        params: dict[str, Any] = dict(zip(self._units, prediction.choices, strict=True))
+        if self._space.nested:
+            params[LAYOUT_PARAM] = "flat"
+        return params
+
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        return self._tpe.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._tpe.before_trial(study, trial)
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
+        self._tpe.after_trial(study, trial, state, values)
+
+    def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int] | None:
+        """The first target budget whose predicted-best plan the study has not tried."""
+        model = study_cost_model(study, self._space, self._layers)
+        if model is None:
+            return None
+        tried = set()
+        for t in study.get_trials(deepcopy=False):
+            params = t.system_attrs.get("fixed_params") or t.params
+            if params.get(LAYOUT_PARAM, "flat") == "flat" and all(u in params for u in self._units):
+                tried.add(tuple(str(params[u]) for u in self._units))
+        front = model.front(cap=self._budget)
+        for fraction in TARGETS:
+            target = int(self._budget * fraction)
+            fitting = [p for p in front if p.peak <= target]
+            if fitting and fitting[-1].choices not in tried:
+                return fitting[-1], target, model.observations
+        return None
+
+
+def make_sampler(
+    config: SamplerConfig, *, space: SpaceConfig, layers: int, budget: int, offset: int = 0
+) -> optuna.samplers.BaseSampler:
+    """The sampler a spec names; all but ``random`` learn from the budget constraint.
+
+    ``offset`` (the study's trial count) moves the seed, so a resumed search does not replay
+    the proposals of the session before it.
+    """
+    seed = None if config.seed is None else config.seed + offset
+    if config.kind == "planner":
+        return PlannerSampler(space, layers, budget, seed=seed)
+    if config.kind == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    if config.kind == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    return optuna.samplers.RandomSampler(seed=seed)

@@ -1,0 +1,120 @@
+"""The planner: cost-model fit and exact solve on synthetic costs, then a real planner study."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+
+import remat_search
+from remat_search.planner import Observation, fit_cost_model, solve_front
+from remat_search.spec import parse_spec
+from remat_search.store import PREDICTION_ATTR
+
+from .conftest import spec_dict
+
+
+def _brute_force(memory: np.ndarray, seconds: np.ndarray, cap: float) -> float | None:
+    best = None
+    for ks in itertools.product(range(memory.shape[1]), repeat=memory.shape[0]):
+        m = sum(memory[u, k] for u, k in enumerate(ks))
+        t = sum(seconds[u, k] for u, k in enumerate(ks))
+        if m <= cap and (best is None or t < best):
+            best = t
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_finds_the_brute_force_optimum_at_every_cap(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    memory = rng.uniform(0, 10, size=(5, 4))
+    seconds = rng.uniform(0, 10, size=(5, 4))
+    front = solve_front(memory, seconds)
+    assert [m for m, _, _ in front] == sorted(m for m, _, _ in front)
+    assert all(a[1] > b[1] for a, b in itertools.pairwise(front))  # strictly faster as memory grows
+    for m, t, ks in front:  # each point is the plan it claims to be
+        assert m == pytest.approx(sum(memory[u, k] for u, k in enumerate(ks)))
+        assert t == pytest.approx(sum(seconds[u, k] for u, k in enumerate(ks)))
+    for cap in np.linspace(memory.min(axis=1).sum() - 1, memory.max(axis=1).sum() + 1, 25):
+        fitting = [t for m, t, _ in solve_front(memory, seconds, cap=cap)]
+        expected = _brute_force(memory, seconds, cap)
+        assert (min(fitting) if fitting else None) == (pytest.approx(expected) if expected is not None else None)
+
+
+def _synthetic(choices: tuple[str, ...]) -> tuple[float, float, float]:
+    """A 4-layer chain with known costs: each layer but the last saves by its choice (the
+    last layer's residuals are needed at once, so its choice saves nothing), and the first
+    layer's residuals live longest, so checkpointing it saves more."""
+    saving = {"none": 0.0, "full": 30.0, "dots": 12.0}
+    work = {"none": 0.0, "full": 10.0, "dots": 3.0}
+    peak = 200.0 - sum(saving[c] for c in choices[:-1]) - (20.0 if choices[0] != "none" else 0.0)
+    flops = 100.0 + sum(work[c] for c in choices)
+    return peak, flops, 0.5 + 0.01 * flops
+
+
+def test_cost_model_learns_positions_from_presets_and_corrections() -> None:
+    labels = ("none", "full", "dots")
+    units = [f"layer_{i:02d}" for i in range(4)]
+    every = list(itertools.product(labels, repeat=4))
+    mixed = random.Random(0).sample([p for p in every if len(set(p)) > 1], 12)
+    trained = [(c,) * 4 for c in labels] + mixed
+    held_out = [p for p in every if p not in trained]
+    observations = [Observation(choices=p, peak=(s := _synthetic(p))[0], flops=s[1], seconds=s[2]) for p in trained]
+    kwargs = {"labels": labels, "unit_layers": [[i] for i in range(4)], "units": units, "layers": 4}
+
+    presets_only = fit_cost_model(observations[:3], **kwargs)
+    assert presets_only is not None
+    assert presets_only.peak[3].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-9)  # the last layer saves nothing
+    assert presets_only.peak[0, 1] == pytest.approx(presets_only.peak[1, 1]) and presets_only.peak[0, 1] < 0  # the prior spreads full's saving evenly
+    for plan in held_out:
+        assert presets_only.predict(plan).seconds == pytest.approx(_synthetic(plan)[2])  # time is FLOPs-exact
+
+    model = fit_cost_model(observations, **kwargs)
+    assert model.peak[0, 1] < model.peak[1, 1]  # learned: the first layer saves more
+    error = {
+        name: np.mean([abs(m.predict(p).peak - _synthetic(p)[0]) for p in held_out])
+        for name, m in (("presets", presets_only), ("all", model))
+    }
+    assert error["all"] < 0.5 * error["presets"]
+    assert model.predict(("mystery",) * 4) is None
+
+
+def test_cost_model_needs_two_priced_choices_and_a_timed_plan() -> None:
+    only_peaks = [Observation(choices=(c,) * 2, peak=1.0, flops=1.0) for c in ("none", "full")]
+    kwargs = {"labels": ("none", "full"), "unit_layers": [[0], [1]], "units": ["a", "b"], "layers": 2}
+    assert fit_cost_model(only_peaks, **kwargs) is None
+    assert fit_cost_model(only_peaks[:1] + [Observation(choices=("none",) * 2, peak=1.0, flops=1.0, seconds=1.0)], **kwargs) is None
+
+
+def test_planner_study_proposes_predicted_plans_that_fit(storage_url: str) -> None:
+    """Presets first, then the planner's own proposals, each stored with its prediction; the
+    first proposal is planned for the budget and its compiled peak is near the prediction."""
+    workload = {"kind": "transformer", "layers": 4, "d_model": 32, "heads": 2, "d_ff": 128,
+                "seq_len": 32, "batch": 4, "vocab": 64}
+    probe = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="probe", workload=workload, space={"layout": "uniform", "choices": ["none", "full"]},
+        trials=2,
+    )))
+    none, full = (next(t.peak_bytes for t in probe.trials if t.labels[0] == c) for c in ("none", "full"))
+    budget = (none + full) // 2
+    spec = parse_spec(spec_dict(
+        storage_url, workload=workload, budget=budget, trials=6, sampler={"kind": "planner", "seed": 0},
+        space={"layout": "per_layer", "choices": ["none", "full", "dots"]},
+    ))
+    report = remat_search.run(spec)
+
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert all(PREDICTION_ATTR not in t.user_attrs for t in trials[:3])  # the presets
+    proposals = [t for t in trials[3:] if PREDICTION_ATTR in t.user_attrs]
+    assert proposals, "the planner proposed nothing"
+    first = proposals[0].user_attrs[PREDICTION_ATTR]
+    assert first["target"] == budget and first["peak"] <= budget
+    measured = next(t for t in report.trials if t.number == proposals[0].number).peak_bytes
+    assert abs(first["peak"] - measured) / measured < 0.1
+    plans = [t.plan.digest for t in report.trials]
+    assert len(plans) == len(set(plans))  # the planner never proposes a plan twice
