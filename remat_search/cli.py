@@ -181,6 +181,53 @@ def best(
 
 @app.command()
 @_handle_errors
+def plan(
+    study: StudyOption,
+    budget: Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")],
+    storage: StorageOption = None,
+    measure: Annotated[bool, typer.Option("--measure", help="Compile and time the plan as one more trial of the study (unless it was measured).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON.")] = False,
+) -> None:
+    """The planner's predicted-best plan for any budget, beside what was measured of it.
+
+    The cost model is fitted to every plan the study compiled (the uniform presets give
+    each choice's cost, mixed plans correct it per layer) and solved exactly for the budget.
+    A prediction is not a measurement: `best` only returns measured plans.
+    """
+    from remat_search.planner import plan_for_budget
+
+    advice = plan_for_budget(_study(study), _budget(budget), storage=storage, measure=measure)
+    if as_json:
+        print(advice.plan.to_json())
+        return
+    output.console.print(output.advice_table(advice))
+    if advice.measured is None:
+        output.errors.print(f"not measured yet; add --measure to compile and time it as a trial of {advice.study!r}")
+
+
+@app.command()
+@_handle_errors
+def confirm(
+    study: StudyOption,
+    budget: Annotated[str | None, typer.Option(help="Confirm plans that fit this [default: the study's budget].")] = None,
+    top: Annotated[int, typer.Option(min=1, help="How many of the fastest fitting plans to re-time.")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds (A B C A B C …) after the warm-up.")] = 10,
+    storage: StorageOption = None,
+) -> None:
+    """Re-time the fastest plans that fit, interleaved, and rank them by those medians.
+
+    Timings on a shared machine drift; interleaving puts every plan through the same slow
+    spells. The times are stored in the study and `best` ranks by them from then on.
+    """
+    from remat_search.confirm import confirm_study
+
+    limit = _budget(budget) if budget is not None else None
+    report, confirmed = confirm_study(_study(study), budget=limit, top=top, rounds=rounds, storage=storage)
+    output.console.print(output.confirmed_table(report, confirmed))
+
+
+@app.command()
+@_handle_errors
 def studies(storage: StorageOption = None) -> None:
     """List the studies in the storage."""
     from remat_search.report import list_studies

@@ -13,10 +13,18 @@ import datetime
 
 import optuna
 
-from remat_search.errors import NoFeasiblePlan, RematSearchError
+from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import Runner
-from remat_search.store import CONFIRMATION_ATTR, Confirmed, TrialResult, load_confirmations
+from remat_search.store import (
+    CONFIRMATION_ATTR,
+    Confirmed,
+    TrialResult,
+    load_confirmations,
+    load_study,
+    open_storage,
+    translate_errors,
+)
 
 
 def candidates(report: StudyReport, budget: int, top: int) -> list[TrialResult]:
@@ -55,3 +63,31 @@ def confirm(
         stored[str(t.number)] = Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
     study.set_user_attr(CONFIRMATION_ATTR, stored)
     return study_report(study)
+
+
+def confirm_study(
+    study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, storage: str | None = None
+) -> tuple[StudyReport, list[TrialResult]]:
+    """Confirm ``study_name``'s ``top`` plans under ``budget`` (default: the study's) on this
+    machine, as its last search measured them; return the report and the confirmed trials,
+    fastest first."""
+    from remat_search.search import resolve_budget, spec_of_study  # search ends by confirming
+
+    opened = open_storage(storage)
+    with translate_errors(opened.url):
+        study = load_study(study_name, opened)
+        spec = spec_of_study(study, opened.url)
+        with Runner(spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh) as runner:
+            device = runner.describe()
+            if not device.executes:
+                raise SpecError(
+                    f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
+                    "there are no step times to confirm"
+                )
+            limit = resolve_budget(budget if budget is not None else spec.budget, device)
+            report = confirm(study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup)
+    confirmed = sorted(
+        (t for t in report.trials if t.confirmed and t.peak_bytes is not None and t.peak_bytes <= limit),
+        key=lambda t: t.confirmed.median,
+    )
+    return report, confirmed

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from rich.console import Console
 from rich.table import Table
 
+from remat_search.planner import Advice
 from remat_search.report import StudyReport, StudySummary
 from remat_search.store import TrialResult
 from remat_search.units import format_bytes, format_seconds
@@ -20,7 +21,7 @@ _STATUS_STYLE = {"measured": "green", "over_budget": "yellow", "failed": "red", 
 def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
     """One row a trial: plan, peak, median step time with its spread, FLOPs, status."""
     table = Table(title=title, title_justify="left")
-    for column in ("trial", "plan", "peak", "step", "spread", "GFLOP", "status"):
+    for column in ("trial", "plan", "peak", "step", "spread", "confirmed", "GFLOP", "status"):
         table.add_column(column, justify="right" if column not in ("plan", "status") else "left")
     for t in trials:
         m = t.measurement
@@ -28,6 +29,8 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
         if budget and t.peak_bytes is not None:
             peak += f" ({t.peak_bytes / budget:.0%})"
         status = ("fits" if t.time_estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
+        if t.cached_from:
+            status += f" (cached: {t.cached_from})"
         if t.error and t.status == "failed":
             status += f": {t.error.splitlines()[0][:80]}"
         table.add_row(
@@ -36,9 +39,54 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             peak,
             _seconds(t.step_seconds, estimated=t.time_estimated),
             f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
+            _confirmed(t),
             _gflop(m.flops) if m and m.flops is not None else "—",
             f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
         )
+    return table
+
+
+def _confirmed(t: TrialResult) -> str:
+    c = t.confirmed
+    return f"{format_seconds(c.median)} ±{c.spread / 2:.0%}" if c else "—"
+
+
+def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
+    """The confirmed plans, fastest first, beside their search medians and ranks."""
+    table = Table(
+        title=f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", title_justify="left"
+    )
+    for column in ("rank", "trial", "plan", "peak", "confirmed median", "spread", "search median", "search rank"):
+        table.add_column(column, justify="left" if column == "plan" else "right")
+    by_search = sorted(confirmed, key=lambda t: (t.step_seconds, t.number))
+    for rank, t in enumerate(confirmed, 1):
+        assert t.confirmed is not None
+        table.add_row(
+            str(rank), str(t.number), t.summary(), format_bytes(t.peak_bytes) if t.peak_bytes else "—",
+            format_seconds(t.confirmed.median), f"±{t.confirmed.spread / 2:.0%}",
+            format_seconds(t.step_seconds) if t.step_seconds else "—", str(by_search.index(t) + 1),
+        )
+    return table
+
+
+def advice_table(advice: Advice) -> Table:
+    """The planner's plan for a budget: predicted vs measured peak and step time."""
+    table = Table(
+        title=f"Planned for {format_bytes(advice.budget)} from {advice.observations} measured plans of "
+        f"{advice.study!r}: {advice.plan.summary(advice.labels)}",
+        title_justify="left",
+    )
+    for column in ("", "predicted", "measured", "error"):
+        table.add_column(column, justify="right")
+    measured = advice.measured
+    for name, predicted, seen, fmt in (
+        ("peak", advice.predicted.peak, measured.peak_bytes if measured else None, lambda v: format_bytes(int(v))),
+        ("step", advice.predicted.seconds, measured.step_seconds if measured else None, format_seconds),
+    ):
+        error = f"{predicted / seen - 1:+.1%}" if seen else "—"
+        table.add_row(name, fmt(predicted), fmt(seen) if seen else "—", error)
+    if measured is not None:
+        table.add_row("trial", "", f"{measured.number} ({measured.status})", "")
     return table
 
 
@@ -110,6 +158,22 @@ def describe_trial(t: TrialResult) -> str:
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
             f"spread {m.spread:.0%} over {len(m.step_times)} repeats"
         )
+    if t.confirmed:
+        c = t.confirmed
+        lines.append(
+            f"  confirmed: median {format_seconds(c.median)}, spread {c.spread:.0%} over {len(c.times)} "
+            f"interleaved rounds ({c.session})"
+        )
+    if t.prediction and m and m.peak_bytes:
+        p = t.prediction
+        lines.append(
+            f"  planner predicted peak {format_bytes(int(p['peak']))} ({p['peak'] / m.peak_bytes - 1:+.1%})"
+            + (f", step {format_seconds(p['seconds'])} ({p['seconds'] / m.step_seconds - 1:+.1%})"
+               if m.status == "measured" and m.step_seconds else "")
+            + f" for a target of {format_bytes(int(p['target']))}"
+        )
+    if t.cached_from:
+        lines.append(f"  measurement reused from {t.cached_from} (same workload, plan and device)")
     if m and m.grad_rel_error is not None:
         lines.append(f"  gradients vs no remat: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
     if t.error:

@@ -31,9 +31,20 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.space import LAYOUT_PARAM, param_names, unit_layers
+from remat_search.errors import NoFeasiblePlan
+from remat_search.plan import RematPlan, collapse_runs
+from remat_search.report import StudyReport, study_report
+from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
 from remat_search.spec import SamplerConfig, SpaceConfig
-from remat_search.store import PREDICTION_ATTR, trial_result
+from remat_search.store import (
+    PREDICTION_ATTR,
+    TrialResult,
+    load_study,
+    open_storage,
+    translate_errors,
+    trial_result,
+)
+from remat_search.units import format_bytes
 
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 """Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
@@ -360,3 +371,76 @@ def make_sampler(
     if config.kind == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
+
+
+class Advice(BaseModel):
+    """The planner's plan for a budget, with what the study measured of it (if anything)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    study: str
+    budget: int
+    plan: RematPlan
+    params: dict[str, str]
+    """The trial parameters that stand for :attr:`plan` (to queue it in the study)."""
+    labels: tuple[str, ...]
+    predicted: Prediction
+    measured: TrialResult | None
+    observations: int
+    """How many distinct measured plans the model was fitted to."""
+
+
+def advise(study: optuna.Study, budget: int) -> Advice:
+    """The fastest plan the study's cost model predicts to fit ``budget``.
+
+    Raises :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform
+    presets of two choices compiled and one plan timed) or when no plan is predicted to fit.
+    """
+    space = SpaceConfig.model_validate(study.user_attrs["space"])
+    report = study_report(study)
+    layers = study.user_attrs.get("layers") or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
+    model = study_cost_model(study, space, layers)
+    if model is None:
+        raise NoFeasiblePlan(
+            f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
+            "plans of two choices compiled and one plan timed); run its search first"
+        )
+    best = model.best(budget)
+    if best is None:
+        smallest = model.front()[0]
+        raise NoFeasiblePlan(
+            f"budget: no plan is predicted to fit {format_bytes(budget)}; the smallest predicted peak is "
+            f"{format_bytes(int(smallest.peak))} ({collapse_runs(smallest.choices)})"
+        )
+    params = dict(zip(param_names(space, layers), best.choices, strict=True))
+    if space.nested:
+        params[LAYOUT_PARAM] = "flat"
+    plan = plan_from_params(space, layers, params)
+    return Advice(
+        study=study.study_name, budget=budget, plan=plan, params=params,
+        labels=layer_labels(space, layers, params), predicted=best, measured=_measured(report, plan),
+        observations=model.observations,
+    )
+
+
+def _measured(report: StudyReport, plan: RematPlan) -> TrialResult | None:
+    """The study's first trial that compiled ``plan``."""
+    return next(
+        (t for t in report.trials if t.plan == plan and t.status in ("measured", "over_budget") and t.reused_from is None),
+        None,
+    )
+
+
+def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
+    """:func:`advise` on a stored study; with ``measure``, first measure the advised plan as
+    one more trial of the study unless it was measured already."""
+    opened = open_storage(storage)
+    with translate_errors(opened.url):
+        study = load_study(study_name, opened)
+        advice = advise(study, budget)
+        if measure and advice.measured is None:
+            from remat_search.search import measure_params  # the search samples with this module
+
+            report = measure_params(study, opened.url, advice.params)
+            advice = advice.model_copy(update={"measured": _measured(report, advice.plan)})
+    return advice

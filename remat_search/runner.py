@@ -200,6 +200,7 @@ def _serve(
 
         if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
         workload = build_workload(workload_config)
         devices = target_devices(target)

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import optuna
 import psutil
@@ -29,7 +30,7 @@ from remat_search.planner import make_sampler
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
-from remat_search.spec import SearchSpec, SpaceConfig
+from remat_search.spec import SearchSpec, SpaceConfig, parse_spec
 from remat_search.store import (
     CACHED_ATTR,
     FAILURE_ATTR,
@@ -54,6 +55,9 @@ STARTED_ATTR = "pid_started"
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 INITIALIZED_ATTR = "initialized"
+# How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
+SETTINGS_FIELDS = ("timing", "gradient_tolerance", "compilation_cache")
+SETTINGS_ATTR = "settings"
 LAYERS_ATTR = "layers"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
@@ -99,6 +103,17 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                     warmup=spec.timing.warmup,
                 )
             return study_report(study)
+
+
+def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> SearchSpec:
+    """The spec that searches ``study`` as its last search did (workload, space, budget,
+    target, mesh, timing), with ``overrides``; ``trials`` defaults to the finished count."""
+    attrs = study.user_attrs
+    data: dict[str, Any] = {k: attrs[k] for k in (*IDENTITY_FIELDS, *SETTINGS_FIELDS) if attrs.get(k) is not None}
+    data.update(attrs.get(SETTINGS_ATTR, {}))
+    data.update(study=study.study_name, storage=storage, trials=max(1, _finished(study)))
+    data.update(overrides)
+    return parse_spec(data)
 
 
 def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
@@ -208,6 +223,7 @@ def _open_study(
             if params not in queued:
                 study.enqueue_trial(params)
         study.set_user_attr(INITIALIZED_ATTR, True)
+    study.set_user_attr(SETTINGS_ATTR, spec.model_dump(mode="json", include=set(SETTINGS_FIELDS)))
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
             raise SpecError(
@@ -281,3 +297,11 @@ def _finished(study: optuna.Study) -> int:
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
         if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED
     )
+
+
+def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) -> StudyReport:
+    """Measure the plan of ``params`` as one more trial of ``study``, as its last search
+    measured (the same worker, cache and budget); return the study's report."""
+    spec = spec_of_study(study, storage, trials=_finished(study) + 1, confirm={"top": 0})
+    study.enqueue_trial(params)
+    return run(spec)

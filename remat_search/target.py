@@ -38,7 +38,7 @@ CHIPS = {
 }
 _OOM = re.compile(
     r"Ran out of memory.*?required for HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)",
-    re.S,
+    re.DOTALL,
 )
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 

@@ -6,6 +6,7 @@ execution (to prove over-budget plans never run), a loss that raises, one that h
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,56 @@ class HangingMlp(MlpWorkload):
             return inner(params, batch)
 
         return loss_fn
+
+
+class CountingMlp(MlpWorkload):
+    """An MLP that appends the plan's digest to ``log`` each time its loss is traced: every
+    compile of the plan's step (or gradient) traces it, so the log counts compilations."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(TINY_MLP)
+        self.log = Path(log)
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            with self.log.open("a") as f:
+                f.write(plan.digest + "\n")
+            return inner(params, batch)
+
+        return loss_fn
+
+
+class DelayedMlp(MlpWorkload):
+    """An MLP whose step, when it runs, sleeps the milliseconds that the JSON file ``delays``
+    gives for its plan's summary (``{"none×3": 40}``) at that moment: a machine that is busy
+    while some plans are timed and not others."""
+
+    def __init__(self, delays: str) -> None:
+        super().__init__(TINY_MLP)
+        self.delays = Path(delays)
+
+    def step(self, plan: RematPlan) -> Callable:
+        inner = super().step(plan)
+        summary = plan.summary()
+
+        def delay() -> None:
+            time.sleep(json.loads(self.delays.read_text()).get(summary, 0) / 1000)
+
+        def delayed_step(state, batch):  # type: ignore[no-untyped-def]
+            jax.debug.callback(delay)
+            return inner(state, batch)
+
+        return jax.jit(delayed_step, donate_argnums=0)
+
+
+def counting(log: str) -> CountingMlp:
+    return CountingMlp(log)
+
+
+def delayed(delays: str) -> DelayedMlp:
+    return DelayedMlp(delays)
 
 
 def recording(log: str) -> RecordingMlp:

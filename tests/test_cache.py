@@ -1,0 +1,132 @@
+"""The measurement cache, confirmation and the planner's `plan` command, through real workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+
+import remat_search
+from remat_search.spec import parse_spec
+
+from .conftest import spec_dict
+
+
+def _compiled(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path, storage_url: str) -> None:
+    log = tmp_path / "traces.log"
+    workload = {"factory": "tests.workloads:counting", "args": {"log": str(log)}}
+    space = {"layout": "uniform", "choices": ["none", "full", "dots"]}
+    first = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="first", workload=workload, space=space, trials=3, confirm={"top": 0},
+    )))
+    assert [t.status for t in first.trials] == ["measured"] * 3
+    compiled = _compiled(log)
+    assert {t.plan.digest for t in first.trials} <= set(compiled)
+
+    again = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="first", workload=workload, space=space, trials=3, confirm={"top": 0},
+    )))
+    assert len(again.trials) == 3 and _compiled(log) == compiled  # a finished search: nothing
+
+    by_label = {t.labels[0]: t for t in first.trials}
+    budget = by_label["full"].peak_bytes + 1  # only full remat fits the new study's budget
+    second = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="second", workload=workload, space=space, trials=3, budget=budget,
+        confirm={"top": 0},
+    )))
+    assert _compiled(log) == compiled  # every plan came from the first study's measurements
+    assert {t.labels[0]: t.status for t in second.trials} == {
+        label: "measured" if t.peak_bytes <= budget else "over_budget" for label, t in by_label.items()
+    }
+    assert by_label["none"].peak_bytes > budget  # so the cache re-judged a measured plan as over budget
+    assert {t.labels[0]: t.cached_from for t in second.trials} == {
+        label: f"first#{t.number}" for label, t in by_label.items()
+    }
+    full = next(t for t in second.trials if t.labels[0] == "full")
+    assert full.measurement == by_label["full"].measurement
+
+    wider = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="third", workload=workload, space={"layout": "per_layer", "choices": ["none", "full"]},
+        trials=4, confirm={"top": 0}, sampler={"kind": "random", "seed": 1},
+    )))
+    new = _compiled(log)[len(compiled):]
+    uniform = {t.plan.digest for t in first.trials}
+    assert not uniform & set(new)  # its presets are the first study's plans: not compiled again
+    assert {t.plan.digest for t in wider.trials if t.cached_from is None} <= set(new)
+
+
+def test_the_worker_fills_the_jax_compilation_cache(tmp_path: Path, storage_url: str) -> None:
+    cache = tmp_path / "jax-cache"
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"kind": "mlp", "layers": 2, "width": 16, "hidden": 32, "batch": 8},
+        space={"layout": "uniform", "choices": ["full"]}, trials=1, compilation_cache=str(cache),
+    )))
+    assert any(cache.iterdir())
+
+
+@pytest.fixture
+def delayed_study(tmp_path: Path, storage_url: str) -> tuple[str, Path]:
+    """A finished study whose search timed `none` during a busy spell (+40 ms a step) and
+    `full` during a milder one (+20 ms): the search ranks full first."""
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"none×3": 40, "full×3": 20}))
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, confirm={"top": 0},
+    )))
+    return storage_url, delays
+
+
+def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, delays = delayed_study
+    assert remat_search.best_plan("tiny", "1GiB", storage).summary() == "full×3"
+
+    delays.write_text(json.dumps({"full×3": 20}))  # the busy spell is over; full still does more work
+    result = cli("confirm", "--study", "tiny", "--storage", storage, "--rounds", "3")
+    assert result.exit_code == 0, result.stderr
+    best = remat_search.best_plan("tiny", "1GiB", storage)
+    assert best.summary() == "none×3"
+    assert best.confirmed is not None and len(best.confirmed.times) == 3
+    assert best.confirmed.median < best.step_seconds  # confirmed faster than the search saw it
+    rows = [line for line in result.stdout.splitlines() if "×3" in line]
+    assert "none×3" in rows[0] and "full×3" in rows[1]  # ranked by the confirmed medians
+
+    stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["confirmation"]
+    assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session
+
+
+def test_plan_predicts_and_measures_on_request(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"full×3": 30}))  # full remat is slow, mixes are not
+    report = remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "per_layer", "choices": ["none", "full"]}, trials=2, confirm={"top": 0},
+    )))
+    none, full = (next(t.peak_bytes for t in report.trials if t.labels[0] == c) for c in ("none", "full"))
+    budget = str(int(full + 0.6 * (none - full)))  # room to save all but one of the first two layers
+
+    predicted = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url)
+    assert predicted.exit_code == 0, predicted.stderr
+    assert "not measured yet" in predicted.stderr
+    plan = remat_search.RematPlan.from_json(
+        cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url, "--json").stdout
+    )
+    assert [p.kind for p in plan.layers].count("full") == 1  # the least remat predicted to fit…
+    assert plan.layers[-1].kind == "none"  # …never on the last layer, which would save nothing
+
+    measured = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url, "--measure")
+    assert measured.exit_code == 0, measured.stderr
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    assert len(study.trials) == 3  # the planned plan became one more trial
+    trial = next(t for t in remat_search.load_report("tiny", storage_url).trials if t.number == 2)
+    assert trial.plan == plan and trial.status == "measured"
+    assert "measured" in measured.stdout and "not measured yet" not in measured.stderr
+
+    nothing_fits = cli("plan", "--study", "tiny", "--budget", "1KiB", "--storage", storage_url)
+    assert nothing_fits.exit_code == 1 and "no plan is predicted to fit" in nothing_fits.stderr
