@@ -6,9 +6,11 @@ The public API::
     report = remat_search.run(spec)                       # search (resumes if interrupted)
     front = remat_search.pareto_front("demo-transformer-cpu")
     best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
+    advice = remat_search.plan_for_budget("demo-transformer-cpu", 200 * 2**20)  # predicted
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
 """
 
+from remat_search.confirm import confirm_study
 from remat_search.errors import (
     NoFeasiblePlan,
     RematSearchError,
@@ -17,14 +19,18 @@ from remat_search.errors import (
     WorkloadError,
 )
 from remat_search.measurement import Measurement, MemoryBreakdown
-from remat_search.plan import LayerPolicy, RematPlan, checkpoint_policy
+from remat_search.plan import LayerPolicy, RematPlan, apply_layers, checkpoint_policy, scan_layers
+from remat_search.planner import Advice, CostModel, fit_cost_model, plan_for_budget, solve_front
 from remat_search.report import StudyReport, best_plan, list_studies, load_report, pareto_front
 from remat_search.search import run
 from remat_search.spec import SearchSpec, load_spec
 from remat_search.store import TrialResult
+from remat_search.units import parse_bytes
 from remat_search.workload import Workload, build_workload
 
 __all__ = [
+    "Advice",
+    "CostModel",
     "LayerPolicy",
     "Measurement",
     "MemoryBreakdown",
@@ -38,12 +44,19 @@ __all__ = [
     "TrialResult",
     "Workload",
     "WorkloadError",
+    "apply_layers",
     "best_plan",
     "build_workload",
     "checkpoint_policy",
+    "confirm_study",
+    "fit_cost_model",
     "list_studies",
     "load_report",
     "load_spec",
     "pareto_front",
+    "parse_bytes",
+    "plan_for_budget",
     "run",
+    "scan_layers",
+    "solve_front",
 ]

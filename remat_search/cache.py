@@ -1,6 +1,7 @@
 """The measurement cache: each plan is compiled once per workload and device, across studies.
 
-A measurement depends on the workload (its fingerprint), the plan (its digest), where it
+A measurement depends on the workload (its shapes' fingerprint and its step's jaxpr, so an
+edit to the model's code is a new workload), the plan (its digest), where it
 was compiled (target and mesh), the device kind, the JAX version and the compiler options
 (XLA flags included) — that tuple is the key of our own table, ``remat_search_measurements``,
 in the same database as optuna's tables. A new study with another budget, a re-run of a
@@ -24,6 +25,7 @@ measurements = sa.Table(
     "remat_search_measurements",
     metadata,
     sa.Column("workload", sa.String(64), primary_key=True),
+    sa.Column("program", sa.String(64), primary_key=True),
     sa.Column("plan", sa.String(64), primary_key=True),
     sa.Column("backend", sa.String(255), primary_key=True),
     sa.Column("device_kind", sa.String(128), primary_key=True),
@@ -41,6 +43,7 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     backend = json.dumps({"target": device.target, "platform": device.platform, "mesh": device.mesh}, sort_keys=True)
     return {
         "workload": device.workload_fingerprint,
+        "program": device.program_fingerprint,
         "plan": plan_digest,
         "backend": backend,
         "device_kind": device.device_kind,

@@ -92,7 +92,10 @@ def run(
     """Search the spec's space; running it again resumes an interrupted study.
 
     Every candidate is compiled; one over the budget is recorded and never run; one that
-    fits is run, its gradients checked against no remat, and its step timed.
+    fits is run, its gradients checked against no remat, and its step timed. The uniform
+    presets go first, then the planner's predicted-best plans (sampler: planner), and the
+    fastest plans that fit are re-timed interleaved at the end (confirm: {top, rounds}).
+    A plan measured before for this workload and device, in any study, is not compiled again.
     """
     from remat_search.search import run as run_search
     from remat_search.spec import load_spec
@@ -122,6 +125,9 @@ def run(
 
         report = run_search(loaded, on_progress=on_progress)
     output.console.print(output.front_table(report))
+    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.ranking_seconds)
+    if confirmed:
+        output.console.print(output.confirmed_table(report, confirmed))
     output.console.print(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "

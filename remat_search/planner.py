@@ -91,6 +91,10 @@ class CostModel(BaseModel):
     """``[unit, label]`` delta of peak bytes from the base (0 for ``labels[0]``)."""
     seconds: np.ndarray
     observations: int
+    margin: float
+    """Calibration: the largest relative under-prediction of a measured mixed plan's peak by
+    the model fitted without it (leave-one-out). Plans for a budget are chosen to fit
+    ``budget / (1 + margin)``, so that an error the study has seen is not made again."""
 
     def predict(self, choices: Sequence[str]) -> Prediction | None:
         """Predicted peak and time of a plan by choice label per unit; None for unknown labels."""
@@ -116,8 +120,9 @@ class CostModel(BaseModel):
         ]
 
     def best(self, budget: float) -> Prediction | None:
-        """The fastest plan predicted to fit ``budget``; None if none is predicted to."""
-        front = self.front(cap=budget)
+        """The fastest plan predicted to fit ``budget`` with the model's calibration margin;
+        None if none is predicted to."""
+        front = self.front(cap=budget / (1 + self.margin))
         return front[-1] if front else None
 
 
@@ -165,31 +170,33 @@ def fit_cost_model(
 
     index = {label: k for k, label in enumerate(usable)}
     priced = [o for o in observations if all(c in index for c in o.choices) and len(o.choices) == n_units]
-    peak = _ridge(
-        [(o.choices, o.peak) for o in priced if o.peak is not None], index, preset_peak[ref], peak_prior, ridge
-    )
-    seconds = _ridge(
+    with_peak = [o for o in priced if o.peak is not None]
+    peak, peak_loo = _ridge([(o.choices, o.peak) for o in with_peak], index, preset_peak[ref], peak_prior, ridge)
+    seconds, _ = _ridge(
         [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, float(intercept),
         slope * flops_prior, ridge,
     )
+    # Calibration: how far the model under-predicts a mixed plan's peak it was not fitted to.
+    under = [o.peak / loo - 1 for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
     return CostModel(
         units=tuple(units), labels=tuple(usable), base_peak=preset_peak[ref], base_seconds=float(intercept),
-        peak=peak, seconds=seconds, observations=len(priced),
+        peak=peak, seconds=seconds, observations=len(priced), margin=max([0.0, *under]),
     )
 
 
 def _ridge(
     data: list[tuple[tuple[str, ...], float]], index: Mapping[str, int], base: float, prior: np.ndarray,
     ridge: float | None,
-) -> np.ndarray:
-    """Deltas ``prior + w``, ``w`` minimising ‖residual − Xw‖² + ridge·‖w‖² (w = 0 on the base choice).
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deltas ``prior + w``, ``w`` minimising ‖residual − Xw‖² + ridge·‖w‖² (w = 0 on the base
+    choice), and each row's leave-one-out prediction.
 
     ``ridge=None`` picks it from :data:`RIDGES` by leave-one-out error: large where the
     prior already explains the data, small where the data show what it misses.
     """
     n_units, n_labels = prior.shape
     if not data:
-        return prior
+        return prior, np.zeros(0)
     free = [u * n_labels + k for u in range(n_units) for k in range(1, n_labels)]
     X = np.zeros((len(data), n_units * n_labels))
     residual = np.zeros(len(data))
@@ -200,17 +207,15 @@ def _ridge(
         residual[row] = value - base - sum(prior[u, k] for u, k in enumerate(ks))
     X = X[:, free]
 
-    def solve(lam: float) -> np.ndarray:
-        return np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T @ residual)
-
-    def loo_error(lam: float) -> float:
+    def loo_residuals(lam: float) -> np.ndarray:
         hat = X @ np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
-        return float(np.mean(((residual - hat @ residual) / np.maximum(1.0 - np.diag(hat), 1e-9)) ** 2))
+        return (residual - hat @ residual) / np.maximum(1.0 - np.diag(hat), 1e-9)
 
-    lam = ridge if ridge is not None else min(RIDGES, key=loo_error)
+    lam = ridge if ridge is not None else min(RIDGES, key=lambda r: float(np.mean(loo_residuals(r) ** 2)))
     deltas = prior.copy().reshape(-1)
-    deltas[free] += solve(lam)
-    return deltas.reshape(n_units, n_labels)
+    deltas[free] += np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T @ residual)
+    values = np.array([value for _, value in data])
+    return deltas.reshape(n_units, n_labels), values - loo_residuals(lam)
 
 
 def solve_front(
@@ -316,9 +321,10 @@ class PlannerSampler(optuna.samplers.BaseSampler):
         if proposal is None:
             tpe_space = self._tpe.infer_relative_search_space(study, trial)
             return self._tpe.sample_relative(study, trial, tpe_space)
-        prediction, target, trained_on = proposal
+        prediction, target, trained_on, margin = proposal
         study._storage.set_trial_user_attr(trial._trial_id, PREDICTION_ATTR, {
             "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
+            "margin": margin,
         })
         params: dict[str, Any] = dict(zip(self._units, prediction.choices, strict=True))
         if self._space.nested:
@@ -336,7 +342,7 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
         self._tpe.after_trial(study, trial, state, values)
 
-    def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int] | None:
+    def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """The first target budget whose predicted-best plan the study has not tried."""
         model = study_cost_model(study, self._space, self._layers)
         if model is None:
@@ -349,9 +355,9 @@ class PlannerSampler(optuna.samplers.BaseSampler):
         front = model.front(cap=self._budget)
         for fraction in TARGETS:
             target = int(self._budget * fraction)
-            fitting = [p for p in front if p.peak <= target]
+            fitting = [p for p in front if p.peak * (1 + model.margin) <= target]
             if fitting and fitting[-1].choices not in tried:
-                return fitting[-1], target, model.observations
+                return fitting[-1], target, model.observations, model.margin
         return None
 
 

@@ -49,6 +49,8 @@ class DeviceInfo(BaseModel):
     workload_fingerprint: str
     compiler_options: str = ""
     """The options and XLA flags plans are compiled with (part of the measurement cache key)."""
+    program_fingerprint: str = ""
+    """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
 
 
 class Runner:
@@ -196,7 +198,7 @@ def _serve(
     try:
         import jax
 
-        from remat_search.workload import build_workload
+        from remat_search.workload import build_workload, program_fingerprint
 
         if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
@@ -216,6 +218,7 @@ def _serve(
             memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
             executes=chip is None, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
+            program_fingerprint=program_fingerprint(workload),
             compiler_options=json.dumps({
                 "options": compiler_options(chip is None and devices[0].platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},

@@ -155,6 +155,17 @@ class Workload(abc.ABC):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def program_fingerprint(workload: Workload) -> str:
+    """A hash of the no-remat training step's jaxpr: it changes when the model's code or the
+    optimizer does, even at the same shapes, so cached measurements of old code are not reused."""
+    state, batch = workload.abstract_inputs()
+    try:
+        text = str(jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch))
+    except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
+        text = f"does not trace: {type(e).__name__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def build_workload(config: WorkloadConfig) -> Workload:
     """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`."""
     if isinstance(config, TransformerConfig):

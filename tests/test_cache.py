@@ -60,6 +60,13 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
     assert not uniform & set(new)  # its presets are the first study's plans: not compiled again
     assert {t.plan.digest for t in wider.trials if t.cached_from is None} <= set(new)
 
+    edited = {"factory": "tests.workloads:counting", "args": {"log": str(log), "scale": 2.0}}
+    before = len(_compiled(log))
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, study="edited", workload=edited, space=space, trials=3, confirm={"top": 0},
+    )))
+    assert sorted(_compiled(log)[before:]) == sorted(uniform)  # same shapes, other code: measured anew
+
 
 def test_the_worker_fills_the_jax_compilation_cache(tmp_path: Path, storage_url: str) -> None:
     cache = tmp_path / "jax-cache"

@@ -42,6 +42,10 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown sampler", {"sampler": {"kind": "cmaes"}}, "spec.sampler.kind"),
     ("negative tolerance", {"gradient_tolerance": -1}, "spec.gradient_tolerance"),
     ("unknown dtype", {"workload": {**spec_dict("x")["workload"], "dtype": "float8"}}, "spec.workload.dtype"),
+    ("segments without the layout", {"space": {"segments": 2, "choices": ["full"]}}, "spec.space.segments"),
+    ("segments that miss layers", {"space": {"layout": "segments", "segments": [1, 3], "choices": ["full"]}},
+     "spec.space.segments: sizes [1, 3] sum to 4"),
+    ("confirm rounds", {"confirm": {"rounds": 0}}, "spec.confirm.rounds"),
 ]
 
 
@@ -88,7 +92,11 @@ def test_storage_comes_from_flag_then_environment_then_spec(cli, tmp_path: Path,
      (["pareto", "--study", "tiny"], "storage: no database at"),
      (["pareto", "--study", "tiny", "--plot", "/no/such/dir/front.png"], "--plot: directory '/no/such/dir'"),
      (["show", "--study", "tiny"], "storage: no database at"),
-     (["studies"], "storage: no database at")],
+     (["studies"], "storage: no database at"),
+     (["plan", "--study", "tiny", "--budget", "lots"], "--budget: expected a positive size"),
+     (["plan", "--study", "tiny", "--budget", "1GiB"], "storage: no database at"),
+     (["confirm", "--study", "bad name"], "--study: expected a study name"),
+     (["confirm", "--study", "tiny", "--budget", "0"], "--budget")],
 )
 def test_queries_reject_bad_flags_and_write_nothing(cli, tmp_path: Path, storage_url: str, args: list[str], field: str) -> None:  # type: ignore[no-untyped-def]
     _assert_rejected(cli(*args, "--storage", storage_url), field, tmp_path)
@@ -97,7 +105,7 @@ def test_queries_reject_bad_flags_and_write_nothing(cli, tmp_path: Path, storage
 def test_help_teaches(cli) -> None:  # type: ignore[no-untyped-def]
     result = cli("--help")
     assert result.exit_code == 0
-    for command in ("run", "pareto", "best", "studies", "show"):
+    for command in ("run", "pareto", "best", "plan", "confirm", "studies", "show"):
         assert command in result.stdout
     assert "14GiB" in cli("best", "--help").stdout
 

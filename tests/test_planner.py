@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from pathlib import Path
 
 import numpy as np
 import optuna

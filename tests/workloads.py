@@ -66,22 +66,33 @@ class HangingMlp(MlpWorkload):
 
 
 class CountingMlp(MlpWorkload):
-    """An MLP that appends the plan's digest to ``log`` each time its loss is traced: every
-    compile of the plan's step (or gradient) traces it, so the log counts compilations."""
+    """An MLP that appends the plan's digest to ``log`` each time its step is lowered for
+    compiling (``step(plan).lower(...)``, which every measurement does first). ``scale``
+    changes its loss, not its shapes."""
 
-    def __init__(self, log: str) -> None:
+    def __init__(self, log: str, scale: float = 1.0) -> None:
         super().__init__(TINY_MLP)
         self.log = Path(log)
+        self.scale = scale
 
     def loss(self, plan: RematPlan) -> Callable:
         inner = super().loss(plan)
+        return lambda params, batch: self.scale * inner(params, batch)
 
-        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
-            with self.log.open("a") as f:
-                f.write(plan.digest + "\n")
-            return inner(params, batch)
+    def step(self, plan: RematPlan, mesh: object = None) -> Callable:
+        inner = super().step(plan)
+        log = self.log
 
-        return loss_fn
+        class Counted:
+            def __call__(self, *args):  # type: ignore[no-untyped-def]
+                return inner(*args)
+
+            def lower(self, *args):  # type: ignore[no-untyped-def]
+                with log.open("a") as f:
+                    f.write(plan.digest + "\n")
+                return inner.lower(*args)
+
+        return Counted()
 
 
 class DelayedMlp(MlpWorkload):
@@ -107,8 +118,8 @@ class DelayedMlp(MlpWorkload):
         return jax.jit(delayed_step, donate_argnums=0)
 
 
-def counting(log: str) -> CountingMlp:
-    return CountingMlp(log)
+def counting(log: str, scale: float = 1.0) -> CountingMlp:
+    return CountingMlp(log, scale)
 
 
 def delayed(delays: str) -> DelayedMlp:
