@@ -11,9 +11,10 @@ the same trial count; all studies begin with the same uniform presets. Then, per
 the best plan of each method and the no-remat plan are re-timed *interleaved* in one worker
 (A B C … A B C …, see ``remat_search.confirm``) so that their step times are comparable.
 
-Columns: best feasible step time (interleaved median), its ratio to no remat's, trials
-until the method's best (by its search medians) is within 3% of the best any method found,
-compiles, wall time. Below the table: the planner's prediction error on the plans it
+Columns: best feasible step time (interleaved median), the FLOPs of that plan (from the
+compiler: what its recomputation costs, free of timing noise), its time's ratio to no
+remat's, trials until the method's best (by its search medians) is within 3% of the best any
+method found, compiles, and wall time (the trials' durations summed: proposing, compiling, running). Below the table: the planner's prediction error on the plans it
 proposed (each predicted before it was measured, so never trained on). Writes
 ``results/search_quality.md`` and ``results/search_quality.png`` beside this file.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import optuna
@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.5,0.65,0.8", help="fractions of the no-remat peak")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the final re-timing")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the studies of an earlier run (resume them) instead of starting afresh")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -64,16 +66,17 @@ def main() -> None:
         reports, walls = {}, {}
         for method in SEARCHERS:
             db = runs / f"{method}-{fraction:.2f}.db"
-            db.unlink(missing_ok=True)
+            if not args.keep:
+                for stale in runs.glob(f"{db.name}*"):
+                    stale.unlink()
             spec = parse_spec({
                 "study": f"{method}-{fraction:.2f}", "storage": f"sqlite:///{db}", "workload": WORKLOAD,
                 "space": {"layout": "per_layer", "choices": CHOICES}, "budget": budget, "trials": args.trials,
                 "sampler": {"kind": method, "seed": 0}, "timing": {"warmup": 2, "repeats": 5, "timeout": "300s"},
                 "confirm": {"top": 0}, "compilation_cache": None,
             })
-            start = time.perf_counter()
             reports[method] = remat_search.run(spec)
-            walls[method] = time.perf_counter() - start
+            walls[method] = _wall(spec.storage, spec.study, list(reports[method].trials))
             print(f"  {fraction:.0%} {method}: {walls[method]:.0f} s", flush=True)
         presets = _presets(reports["planner"])
         preset_wall = _wall(f"sqlite:///{runs / f'planner-{fraction:.2f}.db'}", f"planner-{fraction:.2f}", presets)
@@ -88,6 +91,7 @@ def main() -> None:
                 "budget": f"{fraction:.0%} ({format_bytes(budget)})", "method": method,
                 "plan": t.summary() if t else "—", "peak": format_bytes(t.peak_bytes) if t else "—",
                 "step": f"{confirmed[method] * 1e3:.1f} ms" if t else "—",
+                "GFLOP": f"{t.measurement.flops / 1e9:.3f}" if t else "—",
                 "vs none": f"{confirmed[method] / confirmed['none']:.3f}" if t else "—",
                 "within 3%": str(reached) if reached else f"> {len(trials)}",
                 "compiles": str(sum(1 for x in trials if x.reused_from is None and x.peak_bytes is not None)),

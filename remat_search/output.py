@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from remat_search.planner import Advice
 from remat_search.report import StudyReport, StudySummary
@@ -69,13 +70,13 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     return table
 
 
-def advice_table(advice: Advice) -> Table:
+def advice_table(advice: Advice) -> Group:
     """The planner's plan for a budget: predicted vs measured peak and step time."""
-    table = Table(
-        title=f"Planned for {format_bytes(advice.budget)} from {advice.observations} measured plans of "
-        f"{advice.study!r}: {advice.plan.summary(advice.labels)}",
-        title_justify="left",
+    header = Text(
+        f"Planned for {format_bytes(advice.budget)} from {advice.observations} measured plans of "
+        f"{advice.study!r} (calibration margin {advice.margin:.1%}):\n  {advice.plan.summary(advice.labels)}"
     )
+    table = Table()
     for column in ("", "predicted", "measured", "error"):
         table.add_column(column, justify="right")
     measured = advice.measured
@@ -87,7 +88,7 @@ def advice_table(advice: Advice) -> Table:
         table.add_row(name, fmt(predicted), fmt(seen) if seen else "—", error)
     if measured is not None:
         table.add_row("trial", "", f"{measured.number} ({measured.status})", "")
-    return table
+    return Group(header, table)
 
 
 def _gflop(flops: float) -> str:

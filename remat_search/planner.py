@@ -394,6 +394,8 @@ class Advice(BaseModel):
     measured: TrialResult | None
     observations: int
     """How many distinct measured plans the model was fitted to."""
+    margin: float
+    """The model's calibration margin (see :attr:`CostModel.margin`)."""
 
 
 def advise(study: optuna.Study, budget: int) -> Advice:
@@ -415,8 +417,9 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     if best is None:
         smallest = model.front()[0]
         raise NoFeasiblePlan(
-            f"budget: no plan is predicted to fit {format_bytes(budget)}; the smallest predicted peak is "
-            f"{format_bytes(int(smallest.peak))} ({collapse_runs(smallest.choices)})"
+            f"budget: no plan is predicted to fit {format_bytes(budget)} with the model's calibration "
+            f"margin of {model.margin:.1%}; the smallest predicted peak is {format_bytes(int(smallest.peak))} "
+            f"({collapse_runs(smallest.choices)}); `best` answers from measured plans only"
         )
     params = dict(zip(param_names(space, layers), best.choices, strict=True))
     if space.nested:
@@ -425,7 +428,7 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     return Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
         labels=layer_labels(space, layers, params), predicted=best, measured=_measured(report, plan),
-        observations=model.observations,
+        observations=model.observations, margin=model.margin,
     )
 
 

@@ -74,7 +74,8 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
     runner = Runner(
         spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
-        compilation_cache=_cache_dir(spec.compilation_cache),
+        # JAX makes the directory on its first write: nothing is written for a bad spec.
+        compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
     )
     with runner:
         device = runner.describe()
@@ -277,17 +278,6 @@ def _fits_any(study: optuna.Study, budget: int) -> bool:
         t.status == "measured" and not t.time_estimated and t.peak_bytes is not None and t.peak_bytes <= budget
         for t in study_report(study).trials
     )
-
-
-def _cache_dir(path: str | None) -> str | None:
-    """The compilation cache directory, made if missing (None: no cache)."""
-    if path is None:
-        return None
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise SpecError(f"spec.compilation_cache: cannot create {path!r} ({e.strerror})") from None
-    return os.path.abspath(path)
 
 
 def _finished(study: optuna.Study) -> int:

@@ -82,6 +82,34 @@ def test_cost_model_learns_positions_from_presets_and_corrections() -> None:
     assert model.predict(("mystery",) * 4) is None
 
 
+def test_calibration_margin_keeps_proposals_under_the_budget() -> None:
+    """Mixed plans cost more than any additive model says (here +8 each): once the study has
+    seen that, the model's best plan for a budget fits it in truth, not just in prediction."""
+    labels = ("none", "full", "dots")
+    units = [f"layer_{i:02d}" for i in range(4)]
+
+    def true_peak(plan: tuple[str, ...]) -> float:
+        return _synthetic(plan)[0] + (8.0 if len(set(plan)) > 1 else 0.0)
+
+    every = list(itertools.product(labels, repeat=4))
+    kwargs = {"labels": labels, "unit_layers": [[i] for i in range(4)], "units": units, "layers": 4}
+    presets = [Observation(choices=(c,) * 4, peak=_synthetic((c,) * 4)[0], flops=_synthetic((c,) * 4)[1],
+                           seconds=_synthetic((c,) * 4)[2]) for c in labels]
+    naive = fit_cost_model(presets, **kwargs)
+    assert naive.margin == 0.0
+    budgets = np.linspace(120, 190, 15)
+    assert any(true_peak(naive.best(b).choices) > b for b in budgets)  # the additive model overshoots
+
+    mixed = [p for p in random.Random(1).sample(every, 10) if len(set(p)) > 1]
+    seen = presets + [Observation(choices=p, peak=true_peak(p), flops=_synthetic(p)[1], seconds=_synthetic(p)[2])
+                      for p in mixed]
+    calibrated = fit_cost_model(seen, **kwargs)
+    assert calibrated.margin > 0
+    for b in budgets:
+        best = calibrated.best(b)
+        assert best is None or true_peak(best.choices) <= b
+
+
 def test_cost_model_needs_two_priced_choices_and_a_timed_plan() -> None:
     only_peaks = [Observation(choices=(c,) * 2, peak=1.0, flops=1.0) for c in ("none", "full")]
     kwargs = {"labels": ("none", "full"), "unit_layers": [[0], [1]], "units": ["a", "b"], "layers": 2}
@@ -92,8 +120,7 @@ def test_cost_model_needs_two_priced_choices_and_a_timed_plan() -> None:
 def test_planner_study_proposes_predicted_plans_that_fit(storage_url: str) -> None:
     """Presets first, then the planner's own proposals, each stored with its prediction; the
     first proposal is planned for the budget and its compiled peak is near the prediction."""
-    workload = {"kind": "transformer", "layers": 4, "d_model": 32, "heads": 2, "d_ff": 128,
-                "seq_len": 32, "batch": 4, "vocab": 64}
+    workload = {"kind": "mlp", "layers": 4, "width": 64, "hidden": 256, "batch": 128}
     probe = remat_search.run(parse_spec(spec_dict(
         storage_url, study="probe", workload=workload, space={"layout": "uniform", "choices": ["none", "full"]},
         trials=2,
@@ -101,7 +128,7 @@ def test_planner_study_proposes_predicted_plans_that_fit(storage_url: str) -> No
     none, full = (next(t.peak_bytes for t in probe.trials if t.labels[0] == c) for c in ("none", "full"))
     budget = (none + full) // 2
     spec = parse_spec(spec_dict(
-        storage_url, workload=workload, budget=budget, trials=6, sampler={"kind": "planner", "seed": 0},
+        storage_url, workload=workload, budget=budget, trials=5, sampler={"kind": "planner", "seed": 0},
         space={"layout": "per_layer", "choices": ["none", "full", "dots"]},
     ))
     report = remat_search.run(spec)
