@@ -2,7 +2,7 @@
 
 One command, all in one run, on this machine:
 
-    python benchmarks/search_quality.py            # ~25 min on a 2-core CPU
+    python benchmarks/search_quality.py            # ~35 min on a 2-core CPU
 
 For the built-in transformer (8 layers) at budgets of 50%, 65% and 80% of its no-remat
 peak, every method searches its own fresh study (own SQLite file, no measurement or
