@@ -95,11 +95,13 @@ def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, 
             connection.execute(measurements.update().where(*where).values(**row))
 
 
-def reuse(m: Measurement, *, budget: int, gradient_tolerance: float) -> Measurement | None:
-    """``m`` judged against this study's budget and tolerance; None if it must be measured again.
+def reuse(m: Measurement, *, budget: int, gradient_tolerance: float, repeats: int) -> Measurement | None:
+    """``m`` judged against this study's budget, tolerance and timing; None if it must be
+    measured again.
 
     A plan that ran is over budget if its peak is; one only compiled (over an earlier, smaller
-    budget) must be run if it now fits. The compiler's own out-of-memory is final.
+    budget) must be run if it now fits, and one timed with fewer than ``repeats`` steps is
+    timed again. The compiler's own out-of-memory is final.
     """
     peak = m.peak_bytes
     if m.status == "over_budget" and m.memory is None:  # the device itself cannot hold it
@@ -107,8 +109,11 @@ def reuse(m: Measurement, *, budget: int, gradient_tolerance: float) -> Measurem
     if peak is None:
         return None
     if peak > budget:
-        return m.model_copy(update={"status": "over_budget", "step_times": (), "time_source": None, "error": None})
-    if m.status != "measured":
+        return m.model_copy(update={
+            "status": "over_budget", "step_times": (), "time_source": None, "estimated_seconds": None,
+            "grad_max_abs_error": None, "grad_rel_error": None, "grad_reference": None, "error": None,
+        })
+    if m.status != "measured" or (m.time_source == "measured" and len(m.step_times) < repeats):
         return None
     if m.grad_rel_error is not None and not m.grad_rel_error <= gradient_tolerance:
         return m.model_copy(update={

@@ -95,7 +95,8 @@ def run(
     fits is run, its gradients checked against no remat, and its step timed. The uniform
     presets go first, then the planner's predicted-best plans (sampler: planner), and the
     fastest plans that fit are re-timed interleaved at the end (confirm: {top, rounds}).
-    A plan measured before for this workload and device, in any study, is not compiled again.
+    A plan measured before for this workload and device, in any study, is not compiled
+    again (unless it was only compiled, over an earlier budget, and now fits).
     """
     from remat_search.search import run as run_search
     from remat_search.spec import load_spec
@@ -125,7 +126,7 @@ def run(
 
         report = run_search(loaded, on_progress=on_progress)
     output.console.print(output.front_table(report))
-    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.ranking_seconds)
+    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.confirmed.median)
     if confirmed:
         output.console.print(output.confirmed_table(report, confirmed))
     output.console.print(
@@ -216,7 +217,7 @@ def plan(
 def confirm(
     study: StudyOption,
     budget: Annotated[str | None, typer.Option(help="Confirm plans that fit this [default: the study's budget].")] = None,
-    top: Annotated[int, typer.Option(min=1, help="How many of the fastest fitting plans to re-time.")] = 3,
+    top: Annotated[int, typer.Option(min=2, help="How many of the fastest fitting plans to re-time.")] = 3,
     rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds (A B C A B C …) after the warm-up.")] = 10,
     storage: StorageOption = None,
 ) -> None:
@@ -229,6 +230,9 @@ def confirm(
 
     limit = _budget(budget) if budget is not None else None
     report, confirmed = confirm_study(_study(study), budget=limit, top=top, rounds=rounds, storage=storage)
+    if not confirmed:
+        output.errors.print("only one plan that ran fits: there is nothing to order")
+        return
     output.console.print(output.confirmed_table(report, confirmed))
 
 

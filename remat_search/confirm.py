@@ -10,6 +10,7 @@ kept in the study (user attribute ``confirmation``, one entry per trial) and
 from __future__ import annotations
 
 import datetime
+import os
 
 import optuna
 
@@ -43,12 +44,14 @@ def confirm(
 ) -> StudyReport:
     """Re-time the ``top`` fastest plans fitting ``budget`` interleaved; store and return the report.
 
-    Plans already confirmed together in one session with at least ``rounds`` rounds are
-    not re-timed (re-running a finished search costs nothing).
+    Only the latest session is kept: its plans rank among themselves by these medians (see
+    :meth:`StudyReport.best`). Plans already confirmed together with at least ``rounds``
+    rounds are not re-timed (re-running a finished search costs nothing). Fewer than two
+    plans that fit: nothing to order, nothing re-timed.
     """
     report = study_report(study)
     chosen = candidates(report, budget, top)
-    if len(chosen) < 2 and top >= 2:
+    if len(chosen) < 2:
         return report  # nothing to order
     done = load_confirmations(study)
     sessions = {done[t.number].session for t in chosen if t.number in done}
@@ -57,11 +60,13 @@ def confirm(
     times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds)
     if len(times) != len(chosen):
         raise RematSearchError("confirm: the worker returned times for another number of plans")
-    session = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    stored = dict(study.user_attrs.get(CONFIRMATION_ATTR, {}))
-    for t, seconds in zip(chosen, times, strict=True):
-        stored[str(t.number)] = Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
-    study.set_user_attr(CONFIRMATION_ATTR, stored)
+    # Medians of one session compare; those of another, on a machine in another mood, do not:
+    # the new session replaces the old.
+    session = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
+    study.set_user_attr(CONFIRMATION_ATTR, {
+        str(t.number): Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
+        for t, seconds in zip(chosen, times, strict=True)
+    })
     return study_report(study)
 
 
@@ -69,15 +74,19 @@ def confirm_study(
     study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, storage: str | None = None
 ) -> tuple[StudyReport, list[TrialResult]]:
     """Confirm ``study_name``'s ``top`` plans under ``budget`` (default: the study's) on this
-    machine, as its last search measured them; return the report and the confirmed trials,
-    fastest first."""
+    machine, as its last search measured them; return the report and the plans of this
+    session that fit, fastest first (none when fewer than two plans fit)."""
     from remat_search.search import resolve_budget, spec_of_study  # search ends by confirming
 
     opened = open_storage(storage)
     with translate_errors(opened.url):
         study = load_study(study_name, opened)
         spec = spec_of_study(study, opened.url)
-        with Runner(spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh) as runner:
+        runner = Runner(
+            spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
+            compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
+        )
+        with runner:
             device = runner.describe()
             if not device.executes:
                 raise SpecError(
@@ -86,8 +95,8 @@ def confirm_study(
                 )
             limit = resolve_budget(budget if budget is not None else spec.budget, device)
             report = confirm(study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup)
-    confirmed = sorted(
-        (t for t in report.trials if t.confirmed and t.peak_bytes is not None and t.peak_bytes <= limit),
-        key=lambda t: t.confirmed.median,
-    )
-    return report, confirmed
+    chosen = {t.number for t in candidates(report, limit, top)}
+    confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
+    if len(confirmed) < 2:
+        return report, []
+    return report, sorted(confirmed, key=lambda t: t.confirmed.median)

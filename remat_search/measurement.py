@@ -188,7 +188,9 @@ def measure(
             **seen,
         )
 
-    (times,), loss = _time_steps([compiled], workload, mesh, warmup=timing.warmup, rounds=timing.repeats)
+    (times,), loss = _time_steps(
+        [compiled], workload, mesh, warmup=timing.warmup, rounds=timing.repeats, inputs=(state, batch)
+    )
     if not math.isfinite(loss):
         return Measurement(status="failed", error=f"loss is {loss} after the timed steps", **seen)
     return Measurement(status="measured", time_source="measured", step_times=times, **seen)
@@ -205,7 +207,7 @@ def retime(workload: Any, plans: list[RematPlan], *, warmup: int, rounds: int, m
 
     cpu = jax.default_backend() == "cpu"
     compiled = [_compile(workload, plan, mesh, cpu=cpu) for plan in plans]
-    times, _ = _time_steps(compiled, workload, mesh, warmup=warmup, rounds=rounds)
+    times, _ = _time_steps(compiled, workload, mesh, warmup=warmup, rounds=rounds, inputs=workload.inputs())
     return times
 
 
@@ -215,13 +217,13 @@ def _compile(workload: Any, plan: RematPlan, mesh: Any, *, cpu: bool) -> Any:
 
 
 def _time_steps(
-    compiled: list[Any], workload: Any, mesh: Any, *, warmup: int, rounds: int
+    compiled: list[Any], workload: Any, mesh: Any, *, warmup: int, rounds: int, inputs: tuple[Any, Any]
 ) -> tuple[list[tuple[float, ...]], float]:
-    """Run each executable in turn, ``warmup + rounds`` times; the timed seconds of each, and
-    the last loss."""
+    """Run each executable in turn, ``warmup + rounds`` times, on ``inputs`` (the one state
+    the device holds: each step donates it); the timed seconds of each, and the last loss."""
     import jax
 
-    state, batch = workload.inputs()
+    state, batch = inputs
     if mesh is not None:
         state, batch = jax.device_put((state, batch), workload.shardings(mesh))
     times: list[list[float]] = [[] for _ in compiled]

@@ -31,12 +31,13 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import NoFeasiblePlan
+from remat_search.errors import NoFeasiblePlan, SpecError
 from remat_search.plan import RematPlan, collapse_runs
 from remat_search.report import StudyReport, study_report
 from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
 from remat_search.spec import SamplerConfig, SpaceConfig
 from remat_search.store import (
+    LAYERS_ATTR,
     PREDICTION_ATTR,
     TrialResult,
     load_study,
@@ -51,6 +52,8 @@ RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 its delta halfway from the prior."""
 TARGETS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 """Budgets the sampler plans for, as fractions of the study's: the budget first, then the front."""
+PER_TARGET = 3
+"""How far down the front, from the fastest plan for a target, the sampler looks for one untried."""
 MAX_STATES = 20_000
 """Front size above which :func:`solve_front` merges states of nearly equal memory."""
 
@@ -272,7 +275,8 @@ def study_observations(study: optuna.Study, units: Sequence[str]) -> list[Observ
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         result = trial_result(t)
         m = result.measurement
-        if m is None or m.memory is None or result.plan is None or not all(u in t.params for u in units):
+        flat = result.plan is not None and result.plan.layout == "flat"  # the model prices flat plans
+        if m is None or m.memory is None or not flat or not all(u in t.params for u in units):
             continue
         seen.setdefault(result.plan.digest, Observation(
             choices=tuple(str(t.params[u]) for u in units), peak=m.memory.peak, flops=m.flops,
@@ -293,7 +297,8 @@ def study_cost_model(study: optuna.Study, space: SpaceConfig, layers: int) -> Co
 class PlannerSampler(optuna.samplers.BaseSampler):
     """Proposes the cost model's best plans for the budget and along the front, then TPE's.
 
-    Each proposal is one the study has not tried yet; its prediction is stored on the trial
+    Each of its own proposals is one the study has not tried yet (TPE, once handed over, may
+    repeat one: the measurement cache makes that free); its prediction is stored on the trial
     (user attribute ``prediction``) so reports can set it beside the measurement. Queued
     trials (the presets) pass through untouched.
     """
@@ -343,7 +348,8 @@ class PlannerSampler(optuna.samplers.BaseSampler):
         self._tpe.after_trial(study, trial, state, values)
 
     def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
-        """The first target budget whose predicted-best plan the study has not tried."""
+        """For the first target budget with one, the fastest predicted plan among its best
+        :data:`PER_TARGET` that the study has not tried."""
         model = study_cost_model(study, self._space, self._layers)
         if model is None:
             return None
@@ -356,8 +362,10 @@ class PlannerSampler(optuna.samplers.BaseSampler):
         for fraction in TARGETS:
             target = int(self._budget * fraction)
             fitting = [p for p in front if p.peak * (1 + model.margin) <= target]
-            if fitting and fitting[-1].choices not in tried:
-                return fitting[-1], target, model.observations, model.margin
+            # The fastest untried of the target's best few (the best may be measured already).
+            for prediction in fitting[::-1][:PER_TARGET]:
+                if prediction.choices not in tried:
+                    return prediction, target, model.observations, model.margin
         return None
 
 
@@ -404,10 +412,13 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     Raises :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform
     presets of two choices compiled and one plan timed) or when no plan is predicted to fit.
     """
-    space = SpaceConfig.model_validate(study.user_attrs["space"])
     report = study_report(study)
-    layers = study.user_attrs.get("layers") or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
-    model = study_cost_model(study, space, layers)
+    layers = study.user_attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
+    try:
+        space = SpaceConfig.model_validate(study.user_attrs["space"])
+    except (KeyError, ValueError):
+        space = None
+    model = study_cost_model(study, space, layers) if space is not None and layers else None
     if model is None:
         raise NoFeasiblePlan(
             f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
@@ -446,6 +457,12 @@ def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None,
     opened = open_storage(storage)
     with translate_errors(opened.url):
         study = load_study(study_name, opened)
+        if measure and budget > study.user_attrs.get("budget", budget):
+            raise SpecError(
+                f"--budget: {format_bytes(budget)} is above the study's budget of "
+                f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
+                "--measure times plans within it"
+            )
         advice = advise(study, budget)
         if measure and advice.measured is None:
             from remat_search.search import measure_params  # the search samples with this module

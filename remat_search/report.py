@@ -57,11 +57,18 @@ class StudyReport(BaseModel):
     def best(self, budget: int) -> TrialResult:
         """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`.
 
-        Confirmed plans rank by their re-timed medians; others by their search medians.
+        Plans rank by their search medians; where the fastest of them was confirmed (re-timed
+        interleaved with the others of its session), the confirmed plans that fit rank among
+        themselves by their confirmed medians instead. Medians of different sessions are never
+        compared.
         """
         fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
         if fitting:
-            return min(fitting, key=lambda t: (t.ranking_seconds, t.peak_bytes, t.number))
+            fastest = min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
+            confirmed = [t for t in fitting if t.confirmed is not None]
+            if fastest.confirmed is None:
+                return fastest
+            return min(confirmed, key=lambda t: (t.confirmed.median, t.peak_bytes, t.number))
         peaks = [t for t in self.trials if t.peak_bytes is not None]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")

@@ -10,6 +10,7 @@ reason, and the next candidate gets a fresh worker.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -48,7 +49,8 @@ class DeviceInfo(BaseModel):
     jax_version: str
     workload_fingerprint: str
     compiler_options: str = ""
-    """The options and XLA flags plans are compiled with (part of the measurement cache key)."""
+    """The options and XLA flags plans are compiled with, and remat-search's version (how
+    plans become checkpoints): part of the measurement cache key."""
     program_fingerprint: str = ""
     """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
 
@@ -221,6 +223,7 @@ def _serve(
             program_fingerprint=program_fingerprint(workload),
             compiler_options=json.dumps({
                 "options": compiler_options(chip is None and devices[0].platform == "cpu"),
+                "remat_search": importlib.metadata.version("remat-search"),  # how plans are applied
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
         )

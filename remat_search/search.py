@@ -10,6 +10,7 @@ left running by a killed search are failed and their plans queued again.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -24,8 +25,9 @@ from optuna.trial import TrialState
 
 from remat_search import cache
 from remat_search.confirm import confirm
-from remat_search.errors import SpecError
+from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError
 from remat_search.measurement import Measurement
+from remat_search.plan import RematPlan
 from remat_search.planner import make_sampler
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import DeviceInfo, Runner
@@ -37,6 +39,7 @@ from remat_search.store import (
     HOST_ATTR,
     INTERRUPTED,
     LABELS_ATTR,
+    LAYERS_ATTR,
     MEASUREMENT_ATTR,
     PID_ATTR,
     PLAN_ATTR,
@@ -49,6 +52,7 @@ from remat_search.store import (
 from remat_search.units import format_bytes
 from remat_search.workload import build_workload
 
+logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 # Fields a study is tied to: resuming with others would mix incomparable trials.
@@ -58,7 +62,6 @@ INITIALIZED_ATTR = "initialized"
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
 SETTINGS_FIELDS = ("timing", "gradient_tolerance", "compilation_cache")
 SETTINGS_ATTR = "settings"
-LAYERS_ATTR = "layers"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
@@ -98,11 +101,16 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 result = _run_trial(spec, budget, study, runner, workload.layers, storage.engine, device)
                 if on_progress:
                     on_progress(done + 1, spec.trials, result, device)
-            if spec.confirm.top and device.executes and _fits_any(study, budget):
-                return confirm(
-                    study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
-                    warmup=spec.timing.warmup,
-                )
+            if spec.confirm.top and device.executes:
+                try:
+                    return confirm(
+                        study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
+                        warmup=spec.timing.warmup,
+                    )
+                except NoFeasiblePlan:
+                    pass  # nothing ran within the budget: nothing to confirm
+                except RematSearchError as e:  # the search's own results stand without it
+                    logger.warning("confirmation skipped: %s", e)
             return study_report(study)
 
 
@@ -110,7 +118,9 @@ def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> Search
     """The spec that searches ``study`` as its last search did (workload, space, budget,
     target, mesh, timing), with ``overrides``; ``trials`` defaults to the finished count."""
     attrs = study.user_attrs
-    data: dict[str, Any] = {k: attrs[k] for k in (*IDENTITY_FIELDS, *SETTINGS_FIELDS) if attrs.get(k) is not None}
+    if "space" not in attrs or "workload" not in attrs:
+        raise StorageError(f"study: {study.study_name!r} was not made by remat-search (it has no spec stored)")
+    data: dict[str, Any] = {k: attrs[k] for k in IDENTITY_FIELDS if attrs.get(k) is not None}
     data.update(attrs.get(SETTINGS_ATTR, {}))
     data.update(study=study.study_name, storage=storage, trials=max(1, _finished(study)))
     data.update(overrides)
@@ -161,10 +171,12 @@ def _run_trial(
         trial.set_user_attr(PLAN_ATTR, plan.to_json())
         trial.set_user_attr(LABELS_ATTR, list(labels))
         hit = cache.lookup(engine, device, plan.digest)
-        m = cache.reuse(hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance) if hit else None
+        m = cache.reuse(
+            hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance, repeats=spec.timing.repeats
+        ) if hit else None
         if m is not None:
             assert hit is not None
-            if hit[1] == spec.study:
+            if hit[1] == spec.study and _plan_of(study, hit[2]) == plan.digest:
                 reused_from = hit[2]
                 trial.set_user_attr(REUSED_ATTR, reused_from)
             else:
@@ -224,7 +236,6 @@ def _open_study(
             if params not in queued:
                 study.enqueue_trial(params)
         study.set_user_attr(INITIALIZED_ATTR, True)
-    study.set_user_attr(SETTINGS_ATTR, spec.model_dump(mode="json", include=set(SETTINGS_FIELDS)))
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
             raise SpecError(
@@ -232,6 +243,7 @@ def _open_study(
                 f"with another {key} ({json.dumps(study.user_attrs.get(key))[:160]}); "
                 "give this search a new study name"
             )
+    study.set_user_attr(SETTINGS_ATTR, spec.model_dump(mode="json", include=set(SETTINGS_FIELDS)))
     # Not the same seed as last time: a resumed search must not replay its proposals.
     study.sampler = make_sampler(
         spec.sampler, space=spec.space, layers=layers, budget=budget, offset=len(study.get_trials(deepcopy=False))
@@ -273,11 +285,12 @@ def n_params(space: SpaceConfig, layers: int) -> int:
     return len(param_names(space, layers)) + (1 if space.nested else 0)
 
 
-def _fits_any(study: optuna.Study, budget: int) -> bool:
-    return any(
-        t.status == "measured" and not t.time_estimated and t.peak_bytes is not None and t.peak_bytes <= budget
-        for t in study_report(study).trials
-    )
+def _plan_of(study: optuna.Study, number: int) -> str | None:
+    """The plan digest of trial ``number`` of ``study`` (None if it has none, or no such trial)."""
+    for t in study.get_trials(deepcopy=False):
+        if t.number == number and PLAN_ATTR in t.user_attrs:
+            return RematPlan.model_validate_json(t.user_attrs[PLAN_ATTR]).digest
+    return None
 
 
 def _finished(study: optuna.Study) -> int:
@@ -291,7 +304,9 @@ def _finished(study: optuna.Study) -> int:
 
 def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) -> StudyReport:
     """Measure the plan of ``params`` as one more trial of ``study``, as its last search
-    measured (the same worker, cache and budget); return the study's report."""
-    spec = spec_of_study(study, storage, trials=_finished(study) + 1, confirm={"top": 0})
-    study.enqueue_trial(params)
+    measured (the same worker, cache and budget); return the study's report. Plans the study
+    had already queued run first."""
+    waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    spec = spec_of_study(study, storage, trials=_finished(study) + waiting + 1, confirm={"top": 0})
+    study.enqueue_trial(params)  # after the plans already queued, which run first
     return run(spec)

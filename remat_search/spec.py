@@ -241,6 +241,13 @@ class ConfirmConfig(_Frozen):
     top: NonNegativeInt = 3
     rounds: PositiveInt = 10
 
+    @field_validator("top")
+    @classmethod
+    def _two_to_order(cls, top: int) -> int:
+        if top == 1:
+            raise ValueError("0 (skip) or at least 2: one plan re-timed alone has nothing to be compared with")
+        return top
+
 
 class SearchSpec(_Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""

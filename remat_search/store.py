@@ -34,6 +34,8 @@ CONNECT_TIMEOUT_SECONDS = 10
 PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
 HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
 PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
+# Study user attributes.
+LAYERS_ATTR = "layers"
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 
@@ -108,10 +110,6 @@ class TrialResult(BaseModel):
         """Measured median step time, or the estimate where nothing ran."""
         return self.measurement.step_seconds if self.measurement else None
 
-    @property
-    def ranking_seconds(self) -> float | None:
-        """The step time plans are ranked by: the confirmed median where there is one."""
-        return self.confirmed.median if self.confirmed else self.step_seconds
 
 
 def resolve_url(url: str | None) -> str:
@@ -221,10 +219,21 @@ def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> Tria
     error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
     return TrialResult(
         number=trial.number, status=status, plan=plan, measurement=measurement,
-        labels=tuple(attrs.get(LABELS_ATTR, ())), reused_from=attrs.get(REUSED_ATTR),
+        labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(trial.params, plan),
+        reused_from=attrs.get(REUSED_ATTR),
         cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
         error=error,
     )
+
+
+def _param_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
+    """Per-layer labels of a trial stored before labels were (``policy`` or ``layer_NN`` params)."""
+    if plan is None:
+        return ()
+    if "policy" in params:
+        return (str(params["policy"]),) * len(plan.layers)
+    layers = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k.rpartition("_")[2]))
+    return tuple(str(params[k]) for k in layers) if len(layers) == len(plan.layers) else ()
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:

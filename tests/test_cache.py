@@ -135,5 +135,9 @@ def test_plan_predicts_and_measures_on_request(tmp_path: Path, storage_url: str,
     assert trial.plan == plan and trial.status == "measured"
     assert "measured" in measured.stdout and "not measured yet" not in measured.stderr
 
+    above = cli("plan", "--study", "tiny", "--budget", "2GiB", "--storage", storage_url, "--measure")
+    assert above.exit_code == 2 and "above the study's budget" in above.stderr
+    assert len(optuna.load_study(study_name="tiny", storage=storage_url).trials) == 3  # nothing measured
+
     nothing_fits = cli("plan", "--study", "tiny", "--budget", "1KiB", "--storage", storage_url)
     assert nothing_fits.exit_code == 1 and "no plan is predicted to fit" in nothing_fits.stderr
