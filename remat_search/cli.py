@@ -50,6 +50,7 @@ StorageOption = Annotated[
                  help="Database URL of the studies [default: the spec's, else sqlite:///storage/studies.db]."),
 ]
 StudyOption = Annotated[str, typer.Option("--study", "-s", help="Study name (the spec's `study`).")]
+BudgetOption = Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -162,7 +163,7 @@ def pareto(
 @_handle_errors
 def best(
     study: StudyOption,
-    budget: Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")],
+    budget: BudgetOption,
     storage: StorageOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
 ) -> None:
@@ -190,7 +191,7 @@ def best(
 @_handle_errors
 def plan(
     study: StudyOption,
-    budget: Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")],
+    budget: BudgetOption,
     storage: StorageOption = None,
     measure: Annotated[bool, typer.Option("--measure", help="Compile and time the plan as one more trial of the study (unless it was measured).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON.")] = False,
