@@ -10,7 +10,6 @@ kept in the study (user attribute ``confirmation``, one entry per trial) and
 from __future__ import annotations
 
 import datetime
-import os
 
 import optuna
 
@@ -76,17 +75,13 @@ def confirm_study(
     """Confirm ``study_name``'s ``top`` plans under ``budget`` (default: the study's) on this
     machine, as its last search measured them; return the report and the plans of this
     session that fit, fastest first (none when fewer than two plans fit)."""
-    from remat_search.search import resolve_budget, spec_of_study  # search ends by confirming
+    from remat_search.search import resolve_budget, runner_for, spec_of_study  # search ends by confirming
 
     opened = open_storage(storage)
     with translate_errors(opened.url):
         study = load_study(study_name, opened)
         spec = spec_of_study(study, opened.url)
-        runner = Runner(
-            spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
-            compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
-        )
-        with runner:
+        with runner_for(spec) as runner:
             device = runner.describe()
             if not device.executes:
                 raise SpecError(

@@ -75,12 +75,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     workload = build_workload(spec.workload)
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
-    runner = Runner(
-        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
-        # JAX makes the directory on its first write: nothing is written for a bad spec.
-        compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
-    )
-    with runner:
+    with runner_for(spec) as runner:
         device = runner.describe()
         offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
         if offload and device.platform == "cpu":
@@ -112,6 +107,15 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 except RematSearchError as e:  # the search's own results stand without it
                     logger.warning("confirmation skipped: %s", e)
             return study_report(study)
+
+
+def runner_for(spec: SearchSpec) -> Runner:
+    """The worker that measures ``spec``'s plans where and as the spec says."""
+    return Runner(
+        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
+        # JAX makes the directory on its first write: nothing is written for a bad spec.
+        compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
+    )
 
 
 def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> SearchSpec:
