@@ -2,21 +2,30 @@
 
 One command, all in one run, on this machine:
 
-    python benchmarks/search_quality.py            # ~35 min on a 2-core CPU
+    python benchmarks/search_quality.py            # ~50 min on a 2-core CPU
 
 For the built-in transformer (8 layers) at budgets of 50%, 65% and 80% of its no-remat
 peak, every method searches its own fresh study (own SQLite file, no measurement or
 compilation cache shared, so compile counts and wall times are each method's own) with
-the same trial count; all studies begin with the same uniform presets. Then, per budget,
-the best plan of each method and the no-remat plan are re-timed *interleaved* in one worker
-(A B C … A B C …, see ``remat_search.confirm``) so that their step times are comparable.
+the same trial count, ending with the search's own confirmation (its top 3 re-timed
+interleaved); all studies begin with the same uniform presets. A method's answer is what
+``remat-search best`` would say: :meth:`StudyReport.best`.
 
-Columns: best feasible step time (interleaved median), the FLOPs of that plan (from the
-compiler: what its recomputation costs, free of timing noise), its time's ratio to no
-remat's, trials until the method's best (by its search medians) is within 3% of the best any
-method found, compiles, and wall time (the trials' durations summed: proposing, compiling, running). Below the table: the planner's prediction error on the plans it
-proposed (each predicted before it was measured, so never trained on). Writes
-``results/search_quality.md`` and ``results/search_quality.png`` beside this file.
+Step times on a shared machine drift by tens of percent between minutes, so no two
+studies' medians compare. Instead, per budget, every plan the comparison needs — no remat,
+each uniform preset that fits, each method's answer and each plan that was ever a method's
+best so far — is re-timed *interleaved* in one worker (A B C … A B C …, ``--rounds`` times,
+see ``remat_search.confirm``), and all columns below use those medians:
+
+* step: the answer's interleaved median (± half its interquartile range); vs none: its
+  ratio to no remat's; the preset row is the fastest preset that fits, by these medians;
+* within 3%: after how many trials the method's best so far (by its own search medians,
+  what it would answer if stopped there) is within 3% of the fastest plan any method found;
+* compiles, and wall: the trials' durations summed (proposing, compiling, running).
+
+Below the table: verdicts on the two timing targets, and the planner's prediction error on
+the plans it proposed (each predicted before it was measured, so never trained on).
+Writes ``results/search_quality.md`` and ``results/search_quality.png`` beside this file.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -42,13 +52,14 @@ CHOICES = ["none", "full", "dots", "dots_no_batch",
            {"label": "save_attn", "names": ["context", "out_proj"]}]
 SEARCHERS = ("random", "tpe", "nsga2", "planner")
 WITHIN = 0.03
+NONE = remat_search.RematPlan.uniform("none", WORKLOAD["layers"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials per method and budget (default 20)")
     parser.add_argument("--budgets", default="0.5,0.65,0.8", help="fractions of the no-remat peak")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the final re-timing")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds of the final re-timing (default 30)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--keep", action="store_true",
                         help="keep the studies of an earlier run (resume them) instead of starting afresh")
@@ -57,10 +68,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "studies"
     runs.mkdir(exist_ok=True)
+    began = time.perf_counter()
 
     none_peak = _no_remat_peak()
     print(f"no-remat compiled peak: {format_bytes(none_peak)}", flush=True)
-    rows, curves, errors = [], {}, []
+    rows, curves, verdicts, errors = [], {}, [], []
     for fraction in (float(f) for f in args.budgets.split(",")):
         budget = int(none_peak * fraction)
         reports, walls = {}, {}
@@ -72,38 +84,55 @@ def main() -> None:
             spec = parse_spec({
                 "study": f"{method}-{fraction:.2f}", "storage": f"sqlite:///{db}", "workload": WORKLOAD,
                 "space": {"layout": "per_layer", "choices": CHOICES}, "budget": budget, "trials": args.trials,
-                "sampler": {"kind": method, "seed": 0}, "timing": {"warmup": 2, "repeats": 5, "timeout": "300s"},
-                "confirm": {"top": 0}, "compilation_cache": None,
+                "sampler": {"kind": method, "seed": 0}, "timing": {"warmup": 2, "repeats": 10, "timeout": "300s"},
+                "confirm": {"top": 3, "rounds": 10}, "compilation_cache": None,
             })
             reports[method] = remat_search.run(spec)
             walls[method] = _wall(spec.storage, spec.study, list(reports[method].trials))
             print(f"  {fraction:.0%} {method}: {walls[method]:.0f} s", flush=True)
         presets = _presets(reports["planner"])
         preset_wall = _wall(f"sqlite:///{runs / f'planner-{fraction:.2f}.db'}", f"planner-{fraction:.2f}", presets)
-        best = {"preset": _best(presets, budget)} | {m: _best(reports[m].trials, budget) for m in SEARCHERS}
-        confirmed = _retime(best, args.rounds)
-        found = min(t.step_seconds for t in best.values() if t is not None)
-        curves[fraction] = {m: _running_best(reports[m].trials, budget) for m in SEARCHERS}
-        for method, t in best.items():
-            trials = presets if method == "preset" else list(reports[method].trials)
-            reached = _trials_to(trials, budget, found * (1 + WITHIN))
+        trials = {"preset": presets} | {m: list(reports[m].trials) for m in SEARCHERS}
+        paths = {m: _running_best(ts, budget) for m, ts in trials.items()}
+        answers = {m: _answer(reports[m], budget) for m in SEARCHERS}
+        fitting = [t.plan for t in presets if _fits(t, budget)]
+        plans = [NONE, *fitting, *(p for p in answers.values() if p), *(p for path in paths.values() for p in path if p)]
+        times = _retime(list(dict.fromkeys(plans)), args.rounds)
+        median = {plan: statistics.median(ts) for plan, ts in times.items()}
+        answers["preset"] = min(fitting, key=median.get) if fitting else None
+        found = min(median[p] for p in times if p != NONE)
+        curves[fraction] = (
+            {m: [None if p is None else median[p] / median[NONE] for p in path] for m, path in paths.items()},
+            found * (1 + WITHIN) / median[NONE],
+        )
+        peaks = {t.plan: t for ts in trials.values() for t in ts if t.plan is not None}
+        for method in ("preset", *SEARCHERS):
+            plan = answers[method]
+            reached = next((i for i, p in enumerate(paths[method], 1) if p and median[p] <= found * (1 + WITHIN)), None)
+            t = peaks[plan] if plan else None
             rows.append({
                 "budget": f"{fraction:.0%} ({format_bytes(budget)})", "method": method,
                 "plan": t.summary() if t else "—", "peak": format_bytes(t.peak_bytes) if t else "—",
-                "step": f"{confirmed[method] * 1e3:.1f} ms" if t else "—",
+                "step": f"{median[plan] * 1e3:.1f} ms ± {_half_iqr(times[plan]):.0%}" if plan else "—",
                 "GFLOP": f"{t.measurement.flops / 1e9:.3f}" if t else "—",
-                "vs none": f"{confirmed[method] / confirmed['none']:.3f}" if t else "—",
-                "within 3%": str(reached) if reached else f"> {len(trials)}",
-                "compiles": str(sum(1 for x in trials if x.reused_from is None and x.peak_bytes is not None)),
+                "vs none": f"{median[plan] / median[NONE]:.3f}" if plan else "—",
+                "within 3%": str(reached) if reached else f"> {len(trials[method])}",
+                "compiles": str(sum(1 for x in trials[method] if x.reused_from is None and x.peak_bytes is not None)),
                 "wall": f"{preset_wall if method == 'preset' else walls[method]:.0f} s",
             })
+        verdicts.append(_verdict(fraction, answers, median, {r["method"]: r["within 3%"] for r in rows[-5:]}))
         errors += _prediction_errors(reports["planner"])
     table = _markdown(rows)
-    summary = "\n" + _error_line("peak", [e for e, _ in errors]) + _error_line("step time", [e for _, e in errors if e is not None])
+    summary = (
+        "\n" + "".join(verdicts) + "\n" + _error_line("peak", [e for e, _ in errors])
+        + _error_line("step time", [e for _, e in errors if e is not None])
+        + f"\nWhole run: {(time.perf_counter() - began) / 60:.0f} min.\n"
+    )
     header = (
         f"# Search quality ({args.trials} trials a method; transformer {WORKLOAD}; "
         f"no-remat peak {format_bytes(none_peak)})\n\nCommand: `python benchmarks/search_quality.py"
         f"{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`\n\n"
+        f"Step times: medians of {args.rounds} interleaved rounds per budget (see the module doc).\n\n"
     )
     (args.out / "search_quality.md").write_text(header + table + summary)
     print(header + table + summary)
@@ -129,25 +158,22 @@ def _fits(t: remat_search.TrialResult, budget: int) -> bool:
     return t.status == "measured" and t.peak_bytes is not None and t.peak_bytes <= budget
 
 
-def _best(trials: list[remat_search.TrialResult], budget: int) -> remat_search.TrialResult | None:
-    fitting = [t for t in trials if _fits(t, budget)]
-    return min(fitting, key=lambda t: t.step_seconds) if fitting else None
+def _answer(report: remat_search.StudyReport, budget: int) -> remat_search.RematPlan | None:
+    """What ``remat-search best`` says for ``budget``: confirmed medians where the search confirmed."""
+    try:
+        return report.best(budget).plan
+    except remat_search.NoFeasiblePlan:
+        return None
 
 
-def _running_best(trials: list[remat_search.TrialResult], budget: int) -> list[float | None]:
+def _running_best(trials: list[remat_search.TrialResult], budget: int) -> list[remat_search.RematPlan | None]:
+    """After each trial, the fastest plan that fits so far, by the method's own search medians."""
     best, out = None, []
     for t in sorted(trials, key=lambda t: t.number):
-        if _fits(t, budget) and (best is None or t.step_seconds < best):
-            best = t.step_seconds
-        out.append(best)
+        if _fits(t, budget) and (best is None or t.step_seconds < best.step_seconds):
+            best = t
+        out.append(best.plan if best else None)
     return out
-
-
-def _trials_to(trials: list[remat_search.TrialResult], budget: int, target: float) -> int | None:
-    for i, best in enumerate(_running_best(trials, budget), 1):
-        if best is not None and best <= target:
-            return i
-    return None
 
 
 def _wall(storage: str, study: str, trials: list[remat_search.TrialResult]) -> float:
@@ -157,16 +183,36 @@ def _wall(storage: str, study: str, trials: list[remat_search.TrialResult]) -> f
     return sum((t.datetime_complete - t.datetime_start).total_seconds() for t in stored if t.number in numbers)
 
 
-def _retime(best: dict[str, remat_search.TrialResult | None], rounds: int) -> dict[str, float]:
-    """Interleaved medians of each method's best plan and of no remat, in one worker."""
-    plans = {"none": remat_search.RematPlan.uniform("none", WORKLOAD["layers"])}
-    plans |= {m: t.plan for m, t in best.items() if t is not None}
-    distinct = list(dict.fromkeys(plans.values()))
+def _retime(plans: list[remat_search.RematPlan], rounds: int) -> dict[remat_search.RematPlan, tuple[float, ...]]:
+    """Every plan's step times, interleaved in one worker."""
+    print(f"  re-timing {len(plans)} plans interleaved, {rounds} rounds", flush=True)
     with Runner(parse_spec({"study": "x", "workload": WORKLOAD, "space": {"choices": ["none"]},
                             "trials": 1}).workload, timeout=600) as runner:
-        times = runner.retime(distinct, warmup=2, rounds=rounds)
-    medians = {plan: statistics.median(t) for plan, t in zip(distinct, times, strict=True)}
-    return {m: medians[p] for m, p in plans.items()}
+        times = runner.retime(plans, warmup=2, rounds=rounds)
+    return dict(zip(plans, times, strict=True))
+
+
+def _half_iqr(times: tuple[float, ...]) -> float:
+    """Half the interquartile range of ``times``, relative to their median."""
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / 2 / statistics.median(times)
+
+
+def _verdict(
+    fraction: float, answers: dict[str, remat_search.RematPlan | None],
+    median: dict[remat_search.RematPlan, float], reached: dict[str, str],
+) -> str:
+    """One line per target: planner vs the best preset, and trials to within 3%."""
+    planner, preset = answers["planner"], answers["preset"]
+    if planner is None or preset is None:
+        versus = "no plan to compare"
+    elif planner == preset:
+        versus = "the same plan as the best preset"
+    else:
+        ratio = median[planner] / median[preset]
+        versus = f"{median[planner] * 1e3:.1f} vs best preset {median[preset] * 1e3:.1f} ms ({ratio - 1:+.1%})"
+    trials = ", ".join(f"{m} {reached[m]}" for m in SEARCHERS)
+    return f"- {fraction:.0%}: planner {versus}; trials to within 3%: {trials}.\n"
 
 
 def _prediction_errors(report: remat_search.StudyReport) -> list[tuple[float, float | None]]:
@@ -195,20 +241,21 @@ def _markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(curves: dict[float, dict[str, list[float | None]]], path: Path) -> None:
+def _plot(curves: dict[float, tuple[dict[str, list[float | None]], float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), dpi=120, squeeze=False)
-    for ax, (fraction, by_method) in zip(axes[0], curves.items(), strict=True):
+    for ax, (fraction, (by_method, within)) in zip(axes[0], curves.items(), strict=True):
         for method, best in by_method.items():
             xs = [i for i, b in enumerate(best, 1) if b is not None]
-            ax.step(xs, [best[i - 1] * 1e3 for i in xs], where="post", label=method)
+            ax.step(xs, [best[i - 1] for i in xs], where="post", label=method)
+        ax.axhline(within, color="grey", linestyle="--", linewidth=0.8, label="within 3% of the best found")
         ax.set_title(f"budget {fraction:.0%} of the no-remat peak")
         ax.set_xlabel("trial")
-        ax.set_ylabel("best fitting step time so far (ms, search median)")
+        ax.set_ylabel("best so far: step time / no remat's (interleaved)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
