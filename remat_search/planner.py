@@ -229,39 +229,51 @@ def solve_front(
     Dynamic programming over units: after each unit only the non-dominated partial plans
     are kept, so the result is exact (the optimum for any cap is on it) unless the front
     grows past ``max_states``, when states within 1/max_states of the memory range merge.
+    Partial plans are kept as back-pointers (parent state, choice) and read back at the end,
+    so a 96-layer stack costs arrays, not tuples, per unit.
     Returns ``(memory, seconds, choices)`` with memory ascending and seconds descending.
     """
-    n_units = memory.shape[0]
+    n_units, n_choices = memory.shape
     lowest_rest = np.concatenate([np.cumsum(memory.min(axis=1)[::-1])[::-1], [0.0]])
-    states: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+    m, t = np.zeros(1), np.zeros(1)
+    parents: list[np.ndarray] = []
+    choices: list[np.ndarray] = []
     for u in range(n_units):
-        grown = [
-            (m + memory[u, k], t + seconds[u, k], ks + (k,))
-            for m, t, ks in states
-            for k in range(memory.shape[1])
-            if cap is None or m + memory[u, k] + lowest_rest[u + 1] <= cap
-        ]
-        states = _pareto(grown)
-        if len(states) > max_states:
-            states = _thin(states, max_states)
-    return states
+        grown_m = (m[:, None] + memory[u][None, :]).reshape(-1)
+        grown_t = (t[:, None] + seconds[u][None, :]).reshape(-1)
+        index = np.arange(grown_m.size)
+        if cap is not None:
+            index = index[grown_m + lowest_rest[u + 1] <= cap]
+        index = index[_pareto(grown_m[index], grown_t[index])]
+        if index.size > max_states:
+            index = index[_thin(grown_m[index], max_states)]
+        m, t = grown_m[index], grown_t[index]
+        parents.append(index // n_choices)
+        choices.append(index % n_choices)
+    plans = np.zeros((m.size, n_units), dtype=int)
+    state = np.arange(m.size)
+    for u in reversed(range(n_units)):
+        plans[:, u] = choices[u][state]
+        state = parents[u][state]
+    return [(float(a), float(b), tuple(int(k) for k in ks)) for a, b, ks in zip(m, t, plans, strict=True)]
 
 
-def _pareto(states: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
-    front: list[tuple[float, float, tuple[int, ...]]] = []
-    for state in sorted(states, key=lambda s: (s[0], s[1])):
-        if not front or state[1] < front[-1][1]:
-            front.append(state)
-    return front
+def _pareto(m: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Positions of the non-dominated (m, t) pairs, memory ascending (so seconds descending)."""
+    order = np.lexsort((t, m))
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], t[order]]))[:-1]
+    return order[t[order] < best_before]
 
 
-def _thin(states: list[tuple[float, float, tuple[int, ...]]], n: int) -> list[tuple[float, float, tuple[int, ...]]]:
-    low, high = states[0][0], states[-1][0]
-    width = (high - low) / n or 1.0
-    kept: dict[int, tuple[float, float, tuple[int, ...]]] = {}
-    for state in states:  # seconds descend along the front: the last of a bucket is its fastest
-        kept[int((state[0] - low) / width)] = state
-    return list(kept.values())
+def _thin(m: np.ndarray, n: int) -> np.ndarray:
+    """Positions along a front (memory ascending) that keep the fastest state of each of ``n``
+    equal memory buckets (seconds descend along the front: the last of each bucket), and the
+    least-memory state, so the tightest budget the exact front meets stays met."""
+    width = (m[-1] - m[0]) / n or 1.0
+    bucket = ((m - m[0]) / width).astype(int)
+    last = np.append(bucket[1:] != bucket[:-1], True)
+    last[0] = True
+    return np.flatnonzero(last)
 
 
 def _mean(values: Any) -> float:

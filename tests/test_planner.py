@@ -46,6 +46,18 @@ def test_solver_finds_the_brute_force_optimum_at_every_cap(seed: int) -> None:
         assert (min(fitting) if fitting else None) == (pytest.approx(expected) if expected is not None else None)
 
 
+
+def test_thinned_front_still_reads_back_the_plans_it_prices() -> None:
+    rng = np.random.default_rng(0)
+    memory, seconds = rng.uniform(0, 10, size=(12, 5)), rng.uniform(0, 10, size=(12, 5))
+    exact, thinned = solve_front(memory, seconds), solve_front(memory, seconds, max_states=16)
+    assert len(exact) > 18 >= len(thinned) >= 2
+    for m, t, ks in thinned:
+        assert m == pytest.approx(sum(memory[u, k] for u, k in enumerate(ks)))
+        assert t == pytest.approx(sum(seconds[u, k] for u, k in enumerate(ks)))
+    # The extremes survive thinning: the least-memory and the fastest plans.
+    assert thinned[0][0] == pytest.approx(exact[0][0]) and thinned[-1][1] == pytest.approx(exact[-1][1])
+
 def _synthetic(choices: tuple[str, ...]) -> tuple[float, float, float]:
     """A 4-layer chain with known costs: each layer but the last saves by its choice (the
     last layer's residuals are needed at once, so its choice saves nothing), and the first
