@@ -39,6 +39,7 @@ from pathlib import Path
 import optuna
 
 import remat_search
+from remat_search.confirm import compare_times
 from remat_search.measurement import measure
 from remat_search.runner import Runner
 from remat_search.spec import TimingConfig, parse_spec
@@ -120,7 +121,7 @@ def main() -> None:
                 "compiles": str(sum(1 for x in trials[method] if x.reused_from is None and x.peak_bytes is not None)),
                 "wall": f"{preset_wall if method == 'preset' else walls[method]:.0f} s",
             })
-        verdicts.append(_verdict(fraction, answers, median, {r["method"]: r["within 3%"] for r in rows[-5:]}))
+        verdicts.append(_verdict(fraction, answers, times, {r["method"]: r["within 3%"] for r in rows[-5:]}))
         errors += _prediction_errors(reports["planner"])
     table = _markdown(rows)
     summary = (
@@ -200,17 +201,23 @@ def _half_iqr(times: tuple[float, ...]) -> float:
 
 def _verdict(
     fraction: float, answers: dict[str, remat_search.RematPlan | None],
-    median: dict[remat_search.RematPlan, float], reached: dict[str, str],
+    times: dict[remat_search.RematPlan, tuple[float, ...]], reached: dict[str, str],
 ) -> str:
-    """One line per target: planner vs the best preset, and trials to within 3%."""
+    """One line per budget on the two timing targets: the planner's answer against the best
+    preset (paired by round, with a 95% interval), and trials to within 3%."""
     planner, preset = answers["planner"], answers["preset"]
     if planner is None or preset is None:
         versus = "no plan to compare"
     elif planner == preset:
         versus = "the same plan as the best preset"
     else:
-        ratio = median[planner] / median[preset]
-        versus = f"{median[planner] * 1e3:.1f} vs best preset {median[preset] * 1e3:.1f} ms ({ratio - 1:+.1%})"
+        c = compare_times(times[planner], times[preset])
+        verdict = "no slower" if c.ratio <= 1 else ("slower" if c.resolved else "slower within noise")
+        versus = (
+            f"{statistics.median(times[planner]) * 1e3:.1f} vs best preset "
+            f"{statistics.median(times[preset]) * 1e3:.1f} ms: {c.ratio - 1:+.1%} paired "
+            f"(95% interval {c.low - 1:+.1%}…{c.high - 1:+.1%}), {verdict}"
+        )
     trials = ", ".join(f"{m} {reached[m]}" for m in SEARCHERS)
     return f"- {fraction:.0%}: planner {versus}; trials to within 3%: {trials}.\n"
 

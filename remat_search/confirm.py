@@ -10,8 +10,12 @@ kept in the study (user attribute ``confirmation``, one entry per trial) and
 from __future__ import annotations
 
 import datetime
+import math
+import statistics
+from collections.abc import Sequence
 
 import optuna
+from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.report import StudyReport, study_report
@@ -25,6 +29,50 @@ from remat_search.store import (
     open_storage,
     translate_errors,
 )
+
+
+class Comparison(BaseModel):
+    """How much slower one plan is than another, from one interleaved session.
+
+    Round ``i`` of both plans ran back to back, under the same machine mood, so the ratio of
+    round ``i``'s times cancels what drifts between rounds; :attr:`ratio` is the median of
+    those per-round ratios and ``low``…``high`` a distribution-free confidence interval for
+    it (order statistics of the ratios, :data:`CONFIDENCE`).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    ratio: float
+    low: float
+    high: float
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the interval excludes 1: the timing separates the two plans."""
+        return self.low > 1 or self.high < 1
+
+
+CONFIDENCE = 0.95
+
+
+def compare_times(times: Sequence[float], reference: Sequence[float], confidence: float = CONFIDENCE) -> Comparison:
+    """``times`` against ``reference``, paired round by round (see :class:`Comparison`).
+
+    The interval is ``[r_(k), r_(n+1-k)]`` of the sorted ratios with the largest ``k`` whose
+    binomial tail keeps the coverage; with fewer than six rounds no such ``k`` exists and it
+    is the whole range of the ratios (less than 95% sure).
+    """
+    ratios = sorted(a / b for a, b in zip(times, reference, strict=True))
+    n = len(ratios)
+    if not n:
+        raise ValueError("compare_times needs at least one round")
+    tail, k = 0.0, 1
+    for j in range(n // 2):  # P(Binomial(n, 1/2) <= j): how often r_(j+1) lies above the median
+        tail += math.comb(n, j) / 2**n
+        if tail > (1 - confidence) / 2:
+            break
+        k = j + 1
+    return Comparison(ratio=statistics.median(ratios), low=ratios[k - 1], high=ratios[n - k])
 
 
 def candidates(report: StudyReport, budget: int, top: int) -> list[TrialResult]:

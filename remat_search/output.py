@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from remat_search.confirm import compare_times
 from remat_search.planner import Advice
 from remat_search.report import StudyReport, StudySummary
 from remat_search.store import TrialResult
@@ -53,20 +54,35 @@ def _confirmed(t: TrialResult) -> str:
 
 
 def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
-    """The confirmed plans, fastest first, beside their search medians and ranks."""
+    """The confirmed plans, fastest first, beside their search medians and ranks, each with
+    how much slower than the fastest it is (paired by round, with a 95% interval)."""
     table = Table(
         title=f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", title_justify="left"
     )
-    for column in ("rank", "trial", "plan", "peak", "confirmed median", "spread", "search median", "search rank"):
+    columns = ("rank", "trial", "plan", "peak", "confirmed median", "spread", "vs fastest (95%)", "search median",
+               "search rank")
+    for column in columns:
         table.add_column(column, justify="left" if column == "plan" else "right")
     by_search = sorted(confirmed, key=lambda t: (t.step_seconds, t.number))
+    fastest, unresolved = confirmed[0].confirmed, False
     for rank, t in enumerate(confirmed, 1):
-        assert t.confirmed is not None
+        assert t.confirmed is not None and fastest is not None
+        versus = "—"
+        if rank > 1:
+            c = compare_times(t.confirmed.times, fastest.times)
+            versus = f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%}…{c.high - 1:+.1%})" + ("" if c.resolved else " ≈")
+            unresolved |= not c.resolved
         table.add_row(
             str(rank), str(t.number), t.summary(), format_bytes(t.peak_bytes) if t.peak_bytes else "—",
-            format_seconds(t.confirmed.median), f"±{t.confirmed.spread / 2:.0%}",
+            format_seconds(t.confirmed.median), f"±{t.confirmed.spread / 2:.0%}", versus,
             format_seconds(t.step_seconds) if t.step_seconds else "—", str(by_search.index(t) + 1),
         )
+    if unresolved:
+        table.caption = (
+            "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference. "
+            "More rounds (remat-search confirm --rounds 40) or a quieter machine tell them apart."
+        )
+        table.caption_justify = "left"
     return table
 
 

@@ -48,10 +48,10 @@ class StudyReport(BaseModel):
         seen: set[str] = set()
         out = []
         for t in self.trials:
-            if t.status == "measured" and t.reused_from is None and t.measurement:
-                if t.measurement.plan_digest not in seen:
-                    seen.add(t.measurement.plan_digest)
-                    out.append(t)
+            new = t.measurement is not None and t.measurement.plan_digest not in seen
+            if t.status == "measured" and t.reused_from is None and new:
+                seen.add(t.measurement.plan_digest)
+                out.append(t)
         return out
 
     def best(self, budget: int) -> TrialResult:

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -79,7 +80,7 @@ class Runner:
         self._conn: Connection | None = None
         self._info: DeviceInfo | None = None
 
-    def __enter__(self) -> Runner:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,7 +23,7 @@ BYTES_EXPECTED = "a positive size such as 200MiB, 16GiB, 80GB or 1.6e10"
 def parse_bytes(value: object) -> int:
     """Return the positive number of bytes ``value`` names."""
     if isinstance(value, bool):
-        raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
+        raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")  # noqa: TRY004 (pydantic validators need ValueError)
     try:
         number = float(value)  # type: ignore[arg-type]  # ints, floats, "1.6e10", "-1"
     except (TypeError, ValueError):

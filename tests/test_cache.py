@@ -103,6 +103,7 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     assert best.confirmed.median < best.step_seconds  # confirmed faster than the search saw it
     rows = [line for line in result.stdout.splitlines() if "×3" in line]
     assert "none×3" in rows[0] and "full×3" in rows[1]  # ranked by the confirmed medians
+    assert "≈" not in result.stdout  # 20 ms slower in every round: not within noise
 
     stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["confirmation"]
     assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session

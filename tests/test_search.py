@@ -151,7 +151,7 @@ def test_reports_from_the_cli(finished, cli, tmp_path: Path) -> None:  # type: i
 
 
 def test_rerunning_a_finished_study_measures_nothing_more(finished) -> None:  # type: ignore[no-untyped-def]
-    storage, spec_path, report = finished
+    _, spec_path, report = finished
     again = remat_search.run(remat_search.load_spec(spec_path))
     assert [t.number for t in again.trials] == [t.number for t in report.trials]
 
