@@ -220,17 +220,24 @@ def confirm(
     budget: Annotated[str | None, typer.Option(help="Confirm plans that fit this [default: the study's budget].")] = None,
     top: Annotated[int, typer.Option(min=2, help="How many of the fastest fitting plans to re-time.")] = 3,
     rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds (A B C A B C …) after the warm-up.")] = 10,
+    presets: Annotated[
+        bool, typer.Option(help="Also re-time every uniform plan (preset) that fits, as baselines.")
+    ] = True,
     storage: StorageOption = None,
 ) -> None:
     """Re-time the fastest plans that fit, interleaved, and rank them by those medians.
 
     Timings on a shared machine drift; interleaving puts every plan through the same slow
-    spells. The times are stored in the study and `best` ranks by them from then on.
+    spells. The times are stored in the study and `best` ranks by them from then on. Each
+    plan is set against the fastest, paired round by round with a 95% interval; ≈ marks
+    those the timing cannot tell from it.
     """
     from remat_search.confirm import confirm_study
 
     limit = _budget(budget) if budget is not None else None
-    report, confirmed = confirm_study(_study(study), budget=limit, top=top, rounds=rounds, storage=storage)
+    report, confirmed = confirm_study(
+        _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
+    )
     if not confirmed:
         output.errors.print("only one plan that ran fits: there is nothing to order")
         return

@@ -1,10 +1,11 @@
 """Confirmation: re-time a study's fastest plans side by side before anyone trusts the order.
 
 Step times on shared machines drift: a plan timed during a busy minute looks slower than
-it is. Confirmation re-times the top plans that fit a budget *interleaved* — A B C A B C … —
-so a slow spell slows them all alike, and ranks them by those medians. The times are
-kept in the study (user attribute ``confirmation``, one entry per trial) and
-:meth:`StudyReport.best` ranks by them where present.
+it is. Confirmation re-times the top plans that fit a budget, and the uniform presets that
+fit, *interleaved* — A B C A B C … — so a slow spell slows them all alike, and ranks them by
+those medians. The times are kept in the study (user attribute ``confirmation``, one entry
+per trial) and :meth:`StudyReport.best` ranks by them where present. :func:`compare_times`
+says, paired round by round, whether a difference stands out of the machine's noise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import optuna
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
+from remat_search.plan import RematPlan
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import Runner
 from remat_search.store import (
@@ -75,21 +77,29 @@ def compare_times(times: Sequence[float], reference: Sequence[float], confidence
     return Comparison(ratio=statistics.median(ratios), low=ratios[k - 1], high=ratios[n - k])
 
 
-def candidates(report: StudyReport, budget: int, top: int) -> list[TrialResult]:
-    """The ``top`` fastest distinct plans that ran and fit ``budget``, by their search medians."""
+def candidates(report: StudyReport, budget: int, top: int, *, presets: bool = True) -> list[TrialResult]:
+    """The ``top`` fastest distinct plans that ran and fit ``budget``, by their search medians,
+    then (with ``presets``) every other uniform plan that fits."""
     fitting = [
         t for t in report.timed()
         if not t.time_estimated and t.peak_bytes is not None and t.peak_bytes <= budget
     ]
     if not fitting:
         raise NoFeasiblePlan(f"budget: study {report.study!r} has no plan that ran and fits it")
-    return sorted(fitting, key=lambda t: (t.measurement.step_seconds, t.number))[:top]
+    ranked = sorted(fitting, key=lambda t: (t.measurement.step_seconds, t.number))
+    return ranked[:top] + [t for t in ranked[top:] if presets and _is_preset(t.plan)]
+
+
+def _is_preset(plan: RematPlan | None) -> bool:
+    """One policy on every layer, checkpointed layer by layer: what people pick by hand."""
+    return plan is not None and plan.layout == "flat" and len(set(plan.layers)) == 1
 
 
 def confirm(
-    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int
+    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int, presets: bool = True
 ) -> StudyReport:
-    """Re-time the ``top`` fastest plans fitting ``budget`` interleaved; store and return the report.
+    """Re-time the ``top`` fastest plans fitting ``budget`` interleaved (with ``presets``, and
+    every uniform plan that fits: see :func:`candidates`); store and return the report.
 
     Only the latest session is kept: its plans rank among themselves by these medians (see
     :meth:`StudyReport.best`). Plans already confirmed together with at least ``rounds``
@@ -97,7 +107,7 @@ def confirm(
     plans that fit: nothing to order, nothing re-timed.
     """
     report = study_report(study)
-    chosen = candidates(report, budget, top)
+    chosen = candidates(report, budget, top, presets=presets)
     if len(chosen) < 2:
         return report  # nothing to order
     done = load_confirmations(study)
@@ -118,11 +128,13 @@ def confirm(
 
 
 def confirm_study(
-    study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, storage: str | None = None
+    study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, presets: bool = True,
+    storage: str | None = None,
 ) -> tuple[StudyReport, list[TrialResult]]:
-    """Confirm ``study_name``'s ``top`` plans under ``budget`` (default: the study's) on this
-    machine, as its last search measured them; return the report and the plans of this
-    session that fit, fastest first (none when fewer than two plans fit)."""
+    """Confirm ``study_name``'s ``top`` plans (and, with ``presets``, its uniform plans) under
+    ``budget`` (default: the study's) on this machine, as its last search measured them;
+    return the report and the plans of this session that fit, fastest first (none when
+    fewer than two plans fit)."""
     from remat_search.search import resolve_budget, runner_for, spec_of_study  # search ends by confirming
 
     opened = open_storage(storage)
@@ -137,8 +149,10 @@ def confirm_study(
                     "there are no step times to confirm"
                 )
             limit = resolve_budget(budget if budget is not None else spec.budget, device)
-            report = confirm(study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup)
-    chosen = {t.number for t in candidates(report, limit, top)}
+            report = confirm(
+                study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+            )
+    chosen = {t.number for t in candidates(report, limit, top, presets=presets)}
     confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
     if len(confirmed) < 2:
         return report, []

@@ -100,7 +100,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 try:
                     return confirm(
                         study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
-                        warmup=spec.timing.warmup,
+                        warmup=spec.timing.warmup, presets=spec.confirm.presets,
                     )
                 except NoFeasiblePlan:
                     pass  # nothing ran within the budget: nothing to confirm

@@ -240,6 +240,10 @@ class ConfirmConfig(_Frozen):
 
     top: NonNegativeInt = 3
     rounds: PositiveInt = 10
+    presets: bool = True
+    """Re-time every uniform plan that fits beside them: the plans people pick by hand, so
+    the answer is one no preset beats side by side, even where the search's own timing of a
+    preset was unlucky."""
 
     @field_validator("top")
     @classmethod

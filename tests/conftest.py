@@ -37,7 +37,7 @@ def spec_dict(storage: str, **overrides: Any) -> dict[str, Any]:
         "trials": 6,
         "sampler": {"kind": "tpe", "seed": 0},
         "timing": FAST_TIMING,
-        "confirm": {"top": 2, "rounds": 2},
+        "confirm": {"top": 2, "rounds": 2, "presets": False},  # tests/test_cache.py confirms presets
         "compilation_cache": None,
     }
     spec.update(overrides)

@@ -109,6 +109,26 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session
 
 
+
+def test_confirmation_re_times_the_presets_beside_the_top(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"full×3": 40}))  # the search timed full remat in a busy spell
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "per_layer", "choices": ["none", "full"]}, trials=5, confirm={"top": 0},
+    )))
+    delays.write_text("{}")
+
+    ranked = sorted(remat_search.load_report("tiny", storage_url).timed(), key=lambda t: t.step_seconds)
+    top = {t.summary() for t in ranked[:2]}
+    assert ranked[-1].summary() == "full×3"  # last by its search median: not in the top 2
+    result = cli("confirm", "--study", "tiny", "--storage", storage_url, "--top", "2", "--rounds", "2")
+    assert result.exit_code == 0, result.stderr
+    confirmed = {t.summary() for t in remat_search.load_report("tiny", storage_url).trials if t.confirmed}
+    assert confirmed == {*top, "full×3"}
+    _, shown = remat_search.confirm_study("tiny", top=2, rounds=2, presets=False, storage=storage_url)
+    assert {t.summary() for t in shown} == top
+
 def test_plan_predicts_and_measures_on_request(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
     delays = tmp_path / "delays.json"
     delays.write_text(json.dumps({"full×3": 30}))  # full remat is slow, mixes are not
