@@ -79,8 +79,9 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
         )
     if unresolved:
         table.caption = (
-            "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference. "
-            "More rounds (remat-search confirm --rounds 40) or a quieter machine tell them apart."
+            "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference "
+            "(ranks follow the medians; the paired ratio may then fall on either side of 0). More rounds "
+            "(remat-search confirm --rounds 40) or a quieter machine tell them apart."
         )
         table.caption_justify = "left"
     return table
