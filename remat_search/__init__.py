@@ -10,7 +10,7 @@ The public API::
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
 """
 
-from remat_search.confirm import confirm_study
+from remat_search.confirm import Comparison, compare_times, confirm_study
 from remat_search.errors import (
     NoFeasiblePlan,
     RematSearchError,
@@ -30,6 +30,7 @@ from remat_search.workload import Workload, build_workload
 
 __all__ = [
     "Advice",
+    "Comparison",
     "CostModel",
     "LayerPolicy",
     "Measurement",
@@ -48,6 +49,7 @@ __all__ = [
     "best_plan",
     "build_workload",
     "checkpoint_policy",
+    "compare_times",
     "confirm_study",
     "fit_cost_model",
     "list_studies",

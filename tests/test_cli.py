@@ -47,6 +47,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
      "spec.space.segments: sizes [1, 3] sum to 4"),
     ("confirm rounds", {"confirm": {"rounds": 0}}, "spec.confirm.rounds"),
     ("confirm one plan", {"confirm": {"top": 1}}, "spec.confirm.top: 0 (skip) or at least 2"),
+    ("confirm presets", {"confirm": {"presets": "maybe"}}, "spec.confirm.presets: Input should be a valid boolean"),
 ]
 
 
