@@ -125,7 +125,7 @@ def test_confirmation_re_times_the_presets_beside_the_top(tmp_path: Path, storag
     result = cli("confirm", "--study", "tiny", "--storage", storage_url, "--top", "2", "--rounds", "2")
     assert result.exit_code == 0, result.stderr
     confirmed = {t.summary() for t in remat_search.load_report("tiny", storage_url).trials if t.confirmed}
-    assert confirmed == {*top, "full×3"}
+    assert confirmed == {*top, "none×3", "full×3"}  # the top 2 and both presets (each fits)
     _, shown = remat_search.confirm_study("tiny", top=2, rounds=2, presets=False, storage=storage_url)
     assert {t.summary() for t in shown} == top
 
