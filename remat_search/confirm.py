@@ -92,7 +92,7 @@ def candidates(report: StudyReport, budget: int, top: int, *, presets: bool = Tr
 
 def _is_preset(plan: RematPlan | None) -> bool:
     """One policy on every layer, checkpointed layer by layer: what people pick by hand."""
-    return plan is not None and plan.layout == "flat" and len(set(plan.layers)) == 1
+    return plan is not None and plan.layout == "flat" and plan.is_uniform
 
 
 def confirm(

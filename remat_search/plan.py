@@ -100,6 +100,11 @@ class RematPlan(BaseModel):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     @property
+    def is_uniform(self) -> bool:
+        """One policy on every layer, as :meth:`uniform` builds (whatever the layout)."""
+        return len(set(self.layers)) == 1
+
+    @property
     def tensor_names(self) -> frozenset[str]:
         """Every tensor name any layer's policy refers to."""
         return frozenset(n for p in self.layers for n in p.names)

@@ -186,7 +186,7 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
     ax.plot([t.peak_bytes / scale for t in front], [t.step_seconds * 1e3 for t in front],
             "o-", color="tab:blue", label="Pareto front")
     for t in timed:
-        if t.plan is not None and len(set(t.plan.layers)) == 1:  # a uniform preset: name it
+        if t.plan is not None and t.plan.is_uniform:  # a uniform preset: name it
             ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
                         (t.peak_bytes / scale, t.step_seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
