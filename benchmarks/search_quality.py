@@ -11,8 +11,9 @@ the same trial count, ending with the search's own confirmation (its top 3 re-ti
 interleaved); all studies begin with the same uniform presets. A method's answer is what
 ``remat-search best`` would say: :meth:`StudyReport.best`.
 
-Step times on a shared machine drift by tens of percent between minutes, so no two
-studies' medians compare. Instead, per budget, every plan the comparison needs — no remat,
+Each search times its trials against the anchor plan (``timing.anchor``, the default), so
+its own medians are drift-corrected ratios; but step times on a shared machine drift by
+tens of percent between minutes, so for the verdicts no two studies' medians compare. Instead, per budget, every plan the comparison needs — no remat,
 each uniform preset that fits, each method's answer and each plan that was ever a method's
 best so far — is re-timed *interleaved* in one worker (A B C … A B C …, ``--rounds`` times,
 see ``remat_search.confirm``), and all columns below use those medians:

@@ -95,13 +95,16 @@ def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, 
             connection.execute(measurements.update().where(*where).values(**row))
 
 
-def reuse(m: Measurement, *, budget: int, gradient_tolerance: float, repeats: int) -> Measurement | None:
+def reuse(
+    m: Measurement, *, budget: int, gradient_tolerance: float, repeats: int, anchored: bool = False
+) -> Measurement | None:
     """``m`` judged against this study's budget, tolerance and timing; None if it must be
     measured again.
 
     A plan that ran is over budget if its peak is; one only compiled (over an earlier, smaller
-    budget) must be run if it now fits, and one timed with fewer than ``repeats`` steps is
-    timed again. The compiler's own out-of-memory is final.
+    budget) must be run if it now fits, and one timed with fewer than ``repeats`` steps, or
+    alone where the study times against the anchor (``anchored``), is timed again. The
+    compiler's own out-of-memory is final.
     """
     peak = m.peak_bytes
     if m.status == "over_budget" and m.memory is None:  # the device itself cannot hold it
@@ -110,10 +113,12 @@ def reuse(m: Measurement, *, budget: int, gradient_tolerance: float, repeats: in
         return None
     if peak > budget:
         return m.model_copy(update={
-            "status": "over_budget", "step_times": (), "time_source": None, "estimated_seconds": None,
+            "status": "over_budget", "step_times": (), "anchor_times": (), "time_source": None, "estimated_seconds": None,
             "grad_max_abs_error": None, "grad_rel_error": None, "grad_reference": None, "error": None,
         })
-    if m.status != "measured" or (m.time_source == "measured" and len(m.step_times) < repeats):
+    if m.status != "measured" or (
+        m.time_source == "measured" and (len(m.step_times) < repeats or (anchored and not m.anchor_times))
+    ):
         return None
     if m.grad_rel_error is not None and not m.grad_rel_error <= gradient_tolerance:
         return m.model_copy(update={

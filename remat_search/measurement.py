@@ -93,6 +93,12 @@ class Measurement(BaseModel):
     time_source: Literal["measured", "estimated"] | None = None
     step_times: tuple[float, ...] = ()
     """Seconds of each timed repeat (measured on the local device)."""
+    anchor_times: tuple[float, ...] = ()
+    """Seconds of the anchor plan's step run just before each of :attr:`step_times`
+    (``timing.anchor``): both under the same machine mood, so their ratio is not."""
+    anchor_seconds: float | None = None
+    """The study's reference time of the anchor, in which :attr:`step_seconds` of an
+    anchored measurement is expressed (set by the search as it records the trial)."""
     estimated_seconds: float | None = None
     """Roofline estimate of one step, for targets where nothing runs."""
     grad_max_abs_error: float | None = None
@@ -109,8 +115,16 @@ class Measurement(BaseModel):
 
     @property
     def step_seconds(self) -> float | None:
-        """The step time the study ranks by: the measured median, or the estimate."""
+        """The step time the study ranks by: the median ratio to the anchor times the
+        study's anchor seconds where anchored, else the measured median, or the estimate."""
+        if self.anchor_ratios and self.anchor_seconds:
+            return statistics.median(self.anchor_ratios) * self.anchor_seconds
         return self.median_seconds if self.step_times else self.estimated_seconds
+
+    @property
+    def anchor_ratios(self) -> tuple[float, ...]:
+        """Each repeat's time over the anchor's time in the same round (empty if unanchored)."""
+        return tuple(t / a for t, a in zip(self.step_times, self.anchor_times, strict=True)) if self.anchor_times else ()
 
     @property
     def median_seconds(self) -> float | None:
@@ -122,10 +136,12 @@ class Measurement(BaseModel):
 
     @property
     def spread(self) -> float | None:
-        """(max − min) / median of the timed repeats: how far to trust the median."""
-        if not self.step_times:
+        """(max − min) / median of what :attr:`step_seconds` is the median of (the ratios to
+        the anchor, or the timed repeats): how far to trust it."""
+        values = self.anchor_ratios or self.step_times
+        if not values:
             return None
-        return (max(self.step_times) - min(self.step_times)) / statistics.median(self.step_times)
+        return (max(values) - min(values)) / statistics.median(values)
 
 
 def measure(
@@ -136,6 +152,7 @@ def measure(
     timing: TimingConfig,
     gradient_tolerance: float,
     reference_grads: Callable[[], Any],
+    anchor: Callable[[], Any] | None = None,
     mesh: Any = None,
     chip: Chip | None = None,
 ) -> Measurement:
@@ -143,7 +160,9 @@ def measure(
 
     Over a ``mesh`` inputs are sharded and memory is per device. With a ``chip`` (a TPU
     target compiled ahead of time) nothing runs: the step time is a roofline estimate.
-    ``reference_grads`` returns the no-remat gradients (computed once, when first needed).
+    ``reference_grads`` returns the no-remat gradients (computed once, when first needed);
+    ``anchor`` the compiled anchor plan (see :func:`compile_anchor`) to time alternately with
+    the plan, or None to time the plan alone.
     Exceptions other than the compiler's out-of-memory propagate: the worker turns them
     into a failed measurement with the reason.
     """
@@ -188,12 +207,17 @@ def measure(
             **seen,
         )
 
-    (times,), loss = _time_steps(
-        [compiled], workload, mesh, warmup=timing.warmup, rounds=timing.repeats, inputs=(state, batch)
+    anchored = anchor() if anchor is not None else None
+    executables = [compiled] if anchored is None else [anchored, compiled]  # the plan steps last
+    (*anchor_times, times), loss = _time_steps(
+        executables, workload, mesh, warmup=timing.warmup, rounds=timing.repeats, inputs=(state, batch)
     )
     if not math.isfinite(loss):
         return Measurement(status="failed", error=f"loss is {loss} after the timed steps", **seen)
-    return Measurement(status="measured", time_source="measured", step_times=times, **seen)
+    return Measurement(
+        status="measured", time_source="measured", step_times=times,
+        anchor_times=anchor_times[0] if anchor_times else (), **seen,
+    )
 
 
 def retime(workload: Any, plans: list[RematPlan], *, warmup: int, rounds: int, mesh: Any = None) -> list[tuple[float, ...]]:
@@ -209,6 +233,22 @@ def retime(workload: Any, plans: list[RematPlan], *, warmup: int, rounds: int, m
     compiled = [_compile(workload, plan, mesh, cpu=cpu) for plan in plans]
     times, _ = _time_steps(compiled, workload, mesh, warmup=warmup, rounds=rounds, inputs=workload.inputs())
     return times
+
+
+def anchor_plan(layers: int) -> RematPlan:
+    """The plan every candidate is timed against (``timing.anchor``): full remat, which runs
+    in the least memory of the policies that keep everything on the device."""
+    return RematPlan.uniform("full", layers)
+
+
+def compile_anchor(workload: Any, *, budget: int, mesh: Any = None) -> Any | None:
+    """The anchor plan compiled, or None where its peak exceeds ``budget`` (it would not be
+    run, so candidates are timed alone)."""
+    import jax
+
+    cpu = jax.default_backend() == "cpu"
+    compiled = _compile(workload, anchor_plan(workload.layers), mesh, cpu=cpu)
+    return compiled if MemoryBreakdown.of(compiled, trust_compiler_peak=not cpu).peak <= budget else None
 
 
 def _compile(workload: Any, plan: RematPlan, mesh: Any, *, cpu: bool) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 
 from rich.console import Console, Group
@@ -174,7 +175,13 @@ def describe_trial(t: TrialResult) -> str:
     if m and m.step_times:
         lines.append(
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
-            f"spread {m.spread:.0%} over {len(m.step_times)} repeats"
+            f"spread {(max(m.step_times) - min(m.step_times)) / m.median_seconds:.0%} over {len(m.step_times)} repeats"
+        )
+    if m and m.anchor_ratios and m.anchor_seconds:
+        lines.append(
+            f"  vs the anchor (full remat), step by step: median ratio {statistics.median(m.anchor_ratios):.3f}, "
+            f"spread {m.spread:.0%}; at the study's anchor time of {format_seconds(m.anchor_seconds)}: "
+            f"{format_seconds(m.step_seconds)}"
         )
     if t.confirmed:
         c = t.confirmed

@@ -8,8 +8,10 @@ or the whole stack, whichever the space's parameters are:
 * the **prior** comes from the uniform presets. A choice's memory saving is spread over the
   units by the layers they hold *before the last one* — the last layer's residuals are
   needed as soon as the backward pass starts, so checkpointing it saves nothing — and its
-  extra time by the layers they hold, priced from its extra FLOPs at the study's measured
-  seconds per FLOP (so presets that never ran, being over budget, still get a time);
+  extra time by the layers they hold: its preset's measured step time where the preset ran,
+  else its extra FLOPs priced at the study's measured seconds per FLOP (a preset over budget
+  never runs). Measured, because fewer FLOPs need not be faster: on a 2-core CPU `dots`
+  (fewest FLOPs) ran slower than `save_qkv`;
 * every other measurement corrects the prior (ridge regression towards it), which learns
   what the prior gets wrong, e.g. that early layers' residuals live longest.
 
@@ -158,7 +160,6 @@ def fit_cost_model(
     before_last = [sum(1 for i in ls if i < layers - 1) / max(layers - 1, 1) for ls in unit_layers]
     share = [len(ls) / layers for ls in unit_layers]
     peak_prior = np.array([[(preset_peak[label] - preset_peak[ref]) * w for label in usable] for w in before_last])
-    flops_prior = np.array([[(preset_flops[label] - preset_flops[ref]) * w for label in usable] for w in share])
 
     # Seconds per extra FLOP, from every plan that ran.
     x = np.array([o.flops - preset_flops[ref] for o in timed])
@@ -171,18 +172,26 @@ def fit_cost_model(
         slope = float(y.mean() / np.mean([o.flops for o in timed]))
         intercept = slope * preset_flops[ref]
 
+    # A choice's extra time: its preset's measured step where it ran; else (a preset over
+    # budget never runs) its extra FLOPs at those seconds per FLOP.
+    preset_seconds = {
+        label: _mean(ran) if (ran := [o.seconds for o in presets[label] if o.seconds is not None])
+        else float(intercept + slope * (preset_flops[label] - preset_flops[ref]))
+        for label in usable
+    }
+    time_prior = np.array([[(preset_seconds[label] - preset_seconds[ref]) * w for label in usable] for w in share])
+
     index = {label: k for k, label in enumerate(usable)}
     priced = [o for o in observations if all(c in index for c in o.choices) and len(o.choices) == n_units]
     with_peak = [o for o in priced if o.peak is not None]
     peak, peak_loo = _ridge([(o.choices, o.peak) for o in with_peak], index, preset_peak[ref], peak_prior, ridge)
     seconds, _ = _ridge(
-        [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, float(intercept),
-        slope * flops_prior, ridge,
+        [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, preset_seconds[ref], time_prior, ridge,
     )
     # Calibration: how far the model under-predicts a mixed plan's peak it was not fitted to.
     under = [o.peak / loo - 1 for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
     return CostModel(
-        units=tuple(units), labels=tuple(usable), base_peak=preset_peak[ref], base_seconds=float(intercept),
+        units=tuple(units), labels=tuple(usable), base_peak=preset_peak[ref], base_seconds=preset_seconds[ref],
         peak=peak, seconds=seconds, observations=len(priced), margin=max([0.0, *under]),
     )
 

@@ -24,7 +24,14 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import RematSearchError, SpecError, WorkloadError
-from remat_search.measurement import Measurement, compiler_options, measure, reference_gradients, retime
+from remat_search.measurement import (
+    Measurement,
+    compile_anchor,
+    compiler_options,
+    measure,
+    reference_gradients,
+    retime,
+)
 from remat_search.plan import RematPlan
 from remat_search.spec import Target, TimingConfig, WorkloadConfig
 from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
@@ -236,6 +243,7 @@ def _serve(
         return
     conn.send(("ready", info.model_dump_json()))
     reference = functools.cache(lambda: reference_gradients(workload))
+    anchors = functools.cache(lambda budget: compile_anchor(workload, budget=budget, mesh=mesh))  # one per budget
     while True:
         try:
             command, *args = conn.recv()
@@ -251,6 +259,7 @@ def _serve(
             m = measure(
                 workload, RematPlan.model_validate_json(plan_json), budget=budget,
                 timing=timing, gradient_tolerance=tolerance, reference_grads=reference,
+                anchor=functools.partial(anchors, budget) if timing.anchor and chip is None else None,
                 mesh=mesh, chip=chip,
             )
             conn.send(("ok", m.model_dump_json()))

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,7 @@ INITIALIZED_ATTR = "initialized"
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
 SETTINGS_FIELDS = ("timing", "gradient_tolerance", "compilation_cache")
 SETTINGS_ATTR = "settings"
+ANCHOR_ATTR = "anchor_seconds"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
@@ -176,7 +178,8 @@ def _run_trial(
         trial.set_user_attr(LABELS_ATTR, list(labels))
         hit = cache.lookup(engine, device, plan.digest)
         m = cache.reuse(
-            hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance, repeats=spec.timing.repeats
+            hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance, repeats=spec.timing.repeats,
+            anchored=spec.timing.anchor,
         ) if hit else None
         if m is not None:
             assert hit is not None
@@ -191,13 +194,25 @@ def _run_trial(
     except BaseException:
         _interrupt(study, study._storage.get_trial(trial._trial_id), n_params(spec.space, layers))
         raise
-    _record(study, trial, m, budget)
     if reused_from is None and cached_from is None:
         cache.store(engine, device, m, study=spec.study, trial=trial.number)
+    m = m.model_copy(update={"anchor_seconds": _anchor_seconds(study, m) if spec.timing.anchor else None})
+    _record(study, trial, m, budget)
     return TrialResult(
         number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
         reused_from=reused_from, cached_from=cached_from, error=m.error,
     )
+
+
+def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
+    """The study's reference time of the anchor plan: the anchor's median in the first
+    anchored measurement the study recorded. Anchored step times are the plan's median
+    ratio to the anchor in these seconds, so the study's times compare across hours."""
+    if not m.anchor_times:
+        return None
+    if ANCHOR_ATTR not in study.user_attrs:
+        study.set_user_attr(ANCHOR_ATTR, statistics.median(m.anchor_times))
+    return float(study.user_attrs[ANCHOR_ATTR])
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:

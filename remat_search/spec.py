@@ -232,6 +232,11 @@ class TimingConfig(_Frozen):
     warmup: NonNegativeInt = 2
     repeats: PositiveInt = 5
     timeout: Seconds = 300.0
+    anchor: bool = True
+    """Time each candidate's steps alternately with a fixed plan's (full remat on every layer)
+    and rank by the median of the per-step ratios, in the anchor's seconds: a busy spell of a
+    shared machine slows both alike and cancels. It doubles the timed steps; a dedicated
+    accelerator can turn it off."""
 
 
 class ConfirmConfig(_Frozen):

@@ -9,6 +9,8 @@ import optuna
 import pytest
 
 import remat_search
+from remat_search import cache
+from remat_search.measurement import Measurement, MemoryBreakdown, anchor_plan
 from remat_search.spec import parse_spec
 
 from .conftest import spec_dict
@@ -21,7 +23,7 @@ def _compiled(log: Path) -> list[str]:
 def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path, storage_url: str) -> None:
     log = tmp_path / "traces.log"
     workload = {"factory": "tests.workloads:counting", "args": {"log": str(log)}}
-    space = {"layout": "uniform", "choices": ["none", "full", "dots"]}
+    space = {"layout": "uniform", "choices": ["none", "full", "dots"]}  # full×3 is also the anchor
     first = remat_search.run(parse_spec(spec_dict(
         storage_url, study="first", workload=workload, space=space, trials=3, confirm={"top": 0},
     )))
@@ -49,7 +51,8 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
         label: f"first#{t.number}" for label, t in by_label.items()
     }
     full = next(t for t in second.trials if t.labels[0] == "full")
-    assert full.measurement == by_label["full"].measurement
+    timed_alike = {"anchor_seconds"}  # each study states times in its own anchor's seconds
+    assert full.measurement.model_dump(exclude=timed_alike) == by_label["full"].measurement.model_dump(exclude=timed_alike)
 
     wider = remat_search.run(parse_spec(spec_dict(
         storage_url, study="third", workload=workload, space={"layout": "per_layer", "choices": ["none", "full"]},
@@ -57,7 +60,9 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
     )))
     new = _compiled(log)[len(compiled):]
     uniform = {t.plan.digest for t in first.trials}
-    assert not uniform & set(new)  # its presets are the first study's plans: not compiled again
+    assert not uniform & set(new) - {anchor_plan(3).digest}  # its presets: not compiled again
+    timed = [t for t in wider.trials if t.cached_from is None and t.reused_from is None]
+    assert new.count(anchor_plan(3).digest) == min(len(timed), 1)  # once a worker, if it times a plan
     assert {t.plan.digest for t in wider.trials if t.cached_from is None} <= set(new)
 
     edited = {"factory": "tests.workloads:counting", "args": {"log": str(log), "scale": 2.0}}
@@ -65,7 +70,7 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
     remat_search.run(parse_spec(spec_dict(
         storage_url, study="edited", workload=edited, space=space, trials=3, confirm={"top": 0},
     )))
-    assert sorted(_compiled(log)[before:]) == sorted(uniform)  # same shapes, other code: measured anew
+    assert sorted(_compiled(log)[before:]) == sorted([*uniform, anchor_plan(3).digest])  # other code: anew
 
 
 def test_the_worker_fills_the_jax_compilation_cache(tmp_path: Path, storage_url: str) -> None:
@@ -162,3 +167,37 @@ def test_plan_predicts_and_measures_on_request(tmp_path: Path, storage_url: str,
 
     nothing_fits = cli("plan", "--study", "tiny", "--budget", "1KiB", "--storage", storage_url)
     assert nothing_fits.exit_code == 1 and "no plan is predicted to fit" in nothing_fits.stderr
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_timing_against_the_anchor_cancels_a_busy_spell(tmp_path: Path, storage_url: str, anchor: bool) -> None:
+    """`none` is timed while the machine is busy (+40 ms on every step), `full` (10 ms slower
+    in truth) after: alone, the busy spell ranks full first; against the anchor, none."""
+    delays = tmp_path / "delays.json"
+    workload = {"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}}
+    spec = spec_dict(
+        storage_url, workload=workload, space={"layout": "uniform", "choices": ["none", "full"]},
+        timing={"warmup": 1, "repeats": 3, "anchor": anchor}, confirm={"top": 0},
+    )
+    delays.write_text(json.dumps({"full×3": 10, "*": 40}))
+    remat_search.run(parse_spec({**spec, "trials": 1}))  # the first preset, none×3
+    delays.write_text(json.dumps({"full×3": 10}))
+    report = remat_search.run(parse_spec({**spec, "trials": 2}))  # resumed: full×3
+
+    seconds = {t.summary(): t.step_seconds for t in report.trials}
+    assert (seconds["none×3"] < seconds["full×3"]) is anchor
+    assert report.best(2**30).summary() == ("none×3" if anchor else "full×3")
+    stored = optuna.load_study(study_name="tiny", storage=storage_url).user_attrs
+    assert ("anchor_seconds" in stored) is anchor
+    if anchor:  # the anchor's time in the busy spell is the study's unit: both plans are in it
+        assert stored["anchor_seconds"] > 0.040
+        assert all(len(t.measurement.anchor_times) == 3 for t in report.trials)
+
+
+def test_a_plan_timed_alone_is_timed_again_for_a_study_that_anchors() -> None:
+    memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
+    alone = Measurement(status="measured", plan_digest="p", memory=memory, time_source="measured", step_times=(0.1,) * 3)
+    anchored = alone.model_copy(update={"anchor_times": (0.2,) * 3})
+    assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3, anchored=True) is None
+    assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3) == alone
+    assert cache.reuse(anchored, budget=1, gradient_tolerance=1, repeats=3, anchored=True) == anchored

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import statistics
 
 import pytest
 
 from remat_search import LayerPolicy, RematPlan, build_workload
-from remat_search.measurement import Measurement, measure, reference_gradients
+from remat_search.measurement import Measurement, compile_anchor, measure, reference_gradients
 from remat_search.spec import TimingConfig, TransformerConfig
 
 from .conftest import TINY_TRANSFORMER
@@ -70,3 +71,20 @@ def test_over_budget_plan_is_compiled_but_not_run() -> None:
     )
     assert m.status == "over_budget" and m.peak_bytes > 1
     assert m.step_times == () and m.step_seconds is None and m.grad_rel_error is None
+
+
+def test_an_anchored_step_is_timed_alternately_with_the_anchor(measured: dict[str, Measurement]) -> None:
+    workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
+    anchor = functools.cache(lambda: compile_anchor(workload, budget=2**40))
+    m = measure(
+        workload, RematPlan.uniform("dots", workload.layers), budget=2**40, timing=TimingConfig(warmup=1, repeats=4),
+        gradient_tolerance=1e-4, reference_grads=functools.cache(lambda: reference_gradients(workload)), anchor=anchor,
+    )
+    assert m.status == "measured" and len(m.anchor_times) == len(m.step_times) == 4
+    ratios = [t / a for t, a in zip(m.step_times, m.anchor_times, strict=True)]
+    assert m.step_seconds == m.median_seconds  # no reference time yet: the plan's own median
+    at = m.model_copy(update={"anchor_seconds": 0.5})
+    assert at.step_seconds == pytest.approx(statistics.median(ratios) * 0.5)
+    assert at.spread == pytest.approx((max(ratios) - min(ratios)) / statistics.median(ratios))
+    # The anchor is full remat: over a budget below its peak it would not run, so there is none.
+    assert compile_anchor(workload, budget=measured["full"].peak_bytes - 1) is None

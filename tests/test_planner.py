@@ -96,6 +96,25 @@ def test_cost_model_learns_positions_from_presets_and_corrections() -> None:
     assert model.predict(("mystery",) * 4) is None
 
 
+def test_time_prior_is_the_presets_measured_step_where_they_ran() -> None:
+    """Fewer FLOPs need not be faster (on a CPU, `dots` ran slower than `save_qkv`): a preset
+    that ran is priced by its measured step; one over budget, by its FLOPs."""
+    kwargs = {"labels": ("none", "full", "dots"), "unit_layers": [[i] for i in range(4)],
+              "units": [f"layer_{i:02d}" for i in range(4)], "layers": 4}
+    observations = [
+        Observation(choices=("none",) * 4, peak=200.0, flops=100.0),  # over budget: never ran
+        Observation(choices=("full",) * 4, peak=80.0, flops=140.0, seconds=1.0),
+        Observation(choices=("dots",) * 4, peak=120.0, flops=112.0, seconds=1.4),  # fewer FLOPs, slower
+    ]
+    model = fit_cost_model(observations, **kwargs)
+    assert model is not None
+    assert model.predict(("full",) * 4).seconds == pytest.approx(1.0)
+    assert model.predict(("dots",) * 4).seconds == pytest.approx(1.4)
+    # none, never run: time against FLOPs falls here, so time proportional to work it is.
+    assert model.predict(("none",) * 4).seconds == pytest.approx(100.0 * (1.0 + 1.4) / (140.0 + 112.0))
+    assert model.predict(("full", "full", "dots", "dots")).seconds == pytest.approx(1.2)
+
+
 def test_calibration_margin_keeps_proposals_under_the_budget() -> None:
     """Mixed plans cost more than any additive model says (here +8 each): once the study has
     seen that, the model's best plan for a budget fits it in truth, not just in prediction."""

@@ -97,8 +97,8 @@ class CountingMlp(MlpWorkload):
 
 class DelayedMlp(MlpWorkload):
     """An MLP whose step, when it runs, sleeps the milliseconds that the JSON file ``delays``
-    gives for its plan's summary (``{"none×3": 40}``) at that moment: a machine that is busy
-    while some plans are timed and not others."""
+    gives for its plan's summary (``{"none×3": 40}``) at that moment, plus those ``"*"``
+    gives for every plan: a machine that is busy while some plans are timed and not others."""
 
     def __init__(self, delays: str) -> None:
         super().__init__(TINY_MLP)
@@ -109,7 +109,8 @@ class DelayedMlp(MlpWorkload):
         summary = plan.summary()
 
         def delay() -> None:
-            time.sleep(json.loads(self.delays.read_text()).get(summary, 0) / 1000)
+            delays = json.loads(self.delays.read_text())
+            time.sleep((delays.get(summary, 0) + delays.get("*", 0)) / 1000)
 
         def delayed_step(state, batch):  # type: ignore[no-untyped-def]
             jax.debug.callback(delay)
