@@ -24,8 +24,9 @@ see ``remat_search.confirm``), and all columns below use those medians:
   what it would answer if stopped there) is within 3% of the fastest plan any method found;
 * compiles, and wall: the trials' durations summed (proposing, compiling, running).
 
-Below the table: verdicts on the two timing targets, and the planner's prediction error on
-the plans it proposed (each predicted before it was measured, so never trained on).
+Below the table: verdicts on the two timing targets, the planner's prediction error on
+the plans it proposed (each predicted before it was measured, so never trained on), and
+every re-timed plan against the fastest, paired by round.
 Writes ``results/search_quality.md`` and ``results/search_quality.png`` beside this file.
 """
 
@@ -74,7 +75,7 @@ def main() -> None:
 
     none_peak = _no_remat_peak()
     print(f"no-remat compiled peak: {format_bytes(none_peak)}", flush=True)
-    rows, curves, verdicts, errors = [], {}, [], []
+    rows, curves, verdicts, errors, retimed = [], {}, [], [], []
     for fraction in (float(f) for f in args.budgets.split(",")):
         budget = int(none_peak * fraction)
         reports, walls = {}, {}
@@ -123,12 +124,23 @@ def main() -> None:
                 "wall": f"{preset_wall if method == 'preset' else walls[method]:.0f} s",
             })
         verdicts.append(_verdict(fraction, answers, times, {r["method"]: r["within 3%"] for r in rows[-5:]}))
+        fastest = min((p for p in times if p != NONE), key=median.get)
+        for plan in sorted(times, key=median.get):
+            c = compare_times(times[plan], times[fastest])
+            retimed.append({
+                "budget": f"{fraction:.0%}", "plan": peaks[plan].summary(), "peak": format_bytes(peaks[plan].peak_bytes),
+                "step": f"{median[plan] * 1e3:.1f} ms", "vs fastest, paired (95%)":
+                    f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%}…{c.high - 1:+.1%})" if plan != fastest else "fastest",
+                "answer of": ", ".join(m for m, a in answers.items() if a == plan) or "—",
+                "best so far of": ", ".join(m for m, path in paths.items() if plan in path) or "—",
+            })
         errors += _prediction_errors(reports["planner"])
     table = _markdown(rows)
     summary = (
         "\n" + "".join(verdicts) + "\n" + _error_line("peak", [e for e, _ in errors])
         + _error_line("step time", [e for _, e in errors if e is not None])
         + f"\nWhole run: {(time.perf_counter() - began) / 60:.0f} min.\n"
+        + "\n## Every plan re-timed, per budget (fastest first)\n\n" + _markdown(retimed)
     )
     header = (
         f"# Search quality ({args.trials} trials a method; transformer {WORKLOAD}; "

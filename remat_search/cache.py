@@ -76,7 +76,8 @@ def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> tuple[Mea
 def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, trial: int) -> None:
     """Keep ``m`` unless it failed (failures may be passing: a busy machine, a timeout).
 
-    A measurement that ran replaces one that was only compiled (over an earlier budget).
+    A measurement that ran replaces one that was only compiled (over an earlier budget), or
+    one timed alone where it was timed against the anchor.
     """
     if m.status == "failed":
         return
@@ -91,8 +92,14 @@ def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, 
                 connection.execute(measurements.insert().values(**row))
             except sa.exc.IntegrityError:  # another process stored it a moment ago
                 pass
-        elif m.status == "measured" and Measurement.model_validate_json(old.measurement).status != "measured":
+        elif m.status == "measured" and _timed_less(Measurement.model_validate_json(old.measurement), m):
             connection.execute(measurements.update().where(*where).values(**row))
+
+
+def _timed_less(old: Measurement, new: Measurement) -> bool:
+    """Whether ``new`` (which ran) tells more than ``old``: old was only compiled, or timed
+    without the anchor where new was timed against it."""
+    return old.status != "measured" or (bool(new.anchor_times) and not old.anchor_times)
 
 
 def reuse(

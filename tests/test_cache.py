@@ -194,6 +194,24 @@ def test_timing_against_the_anchor_cancels_a_busy_spell(tmp_path: Path, storage_
         assert all(len(t.measurement.anchor_times) == 3 for t in report.trials)
 
 
+def test_a_study_that_anchors_times_again_what_was_timed_alone_and_keeps_it(
+    tmp_path: Path, storage_url: str
+) -> None:
+    log = tmp_path / "traces.log"
+    common = {"workload": {"factory": "tests.workloads:counting", "args": {"log": str(log)}},
+              "space": {"layout": "uniform", "choices": ["none", "full"]}, "trials": 2, "confirm": {"top": 0}}
+    alone = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="alone", timing={"warmup": 1, "repeats": 2, "anchor": False}, **common,
+    )))
+    assert all(not t.measurement.anchor_times for t in alone.trials)
+    anchored = remat_search.run(parse_spec(spec_dict(storage_url, study="anchored", **common)))
+    assert all(t.cached_from is None and len(t.measurement.anchor_times) == 2 for t in anchored.trials)
+    before = len(_compiled(log))
+    again = remat_search.run(parse_spec(spec_dict(storage_url, study="again", **common)))
+    assert {t.cached_from for t in again.trials} == {f"anchored#{t.number}" for t in anchored.trials}
+    assert len(_compiled(log)) == before  # the anchored measurements replaced those timed alone
+
+
 def test_a_plan_timed_alone_is_timed_again_for_a_study_that_anchors() -> None:
     memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
     alone = Measurement(status="measured", plan_digest="p", memory=memory, time_source="measured", step_times=(0.1,) * 3)

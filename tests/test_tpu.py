@@ -34,14 +34,19 @@ def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None =
     )
 
 
-def test_per_chip_peak_orders_full_names_none() -> None:
-    peak = {label: _measure(SMALL, policy).peak_bytes for label, policy in
-            (("none", "none"), ("full", "full"), ("save_qkv", QKV))}
+@pytest.fixture(scope="module")
+def small() -> dict[str, Measurement]:
+    """SMALL compiled for a v5e 2x2 under three policies (one TPU compile each, ~15 s)."""
+    return {label: _measure(SMALL, policy) for label, policy in (("none", "none"), ("full", "full"), ("save_qkv", QKV))}
+
+
+def test_per_chip_peak_orders_full_names_none(small: dict[str, Measurement]) -> None:
+    peak = {label: m.peak_bytes for label, m in small.items()}
     assert peak["full"] < peak["save_qkv"] < peak["none"]
 
 
-def test_tpu_measurements_are_compiled_and_estimated_never_run() -> None:
-    m = _measure(SMALL, "full")
+def test_tpu_measurements_are_compiled_and_estimated_never_run(small: dict[str, Measurement]) -> None:
+    m = small["full"]
     assert m.status == "measured" and m.time_source == "estimated" and m.step_times == ()
     assert m.memory.compiler_peak is not None and m.memory.breakdown_sum > 0
     assert m.memory.peak == max(m.memory.compiler_peak, m.memory.breakdown_sum)
