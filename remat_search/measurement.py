@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -95,7 +95,8 @@ class Measurement(BaseModel):
     """Seconds of each timed repeat (measured on the local device)."""
     anchor_times: tuple[float, ...] = ()
     """Seconds of the anchor plan's step run just before each of :attr:`step_times`
-    (``timing.anchor``): both under the same machine mood, so their ratio is not."""
+    (``timing.anchor``): both ran under the same load, so their ratio is free of what drifts
+    between rounds."""
     anchor_seconds: float | None = None
     """The study's reference time of the anchor, in which :attr:`step_seconds` of an
     anchored measurement is expressed (set by the search as it records the trial)."""
@@ -139,9 +140,12 @@ class Measurement(BaseModel):
         """(max − min) / median of what :attr:`step_seconds` is the median of (the ratios to
         the anchor, or the timed repeats): how far to trust it."""
         values = self.anchor_ratios or self.step_times
-        if not values:
-            return None
-        return (max(values) - min(values)) / statistics.median(values)
+        return relative_spread(values) if values else None
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """(max − min) / median: how far apart repeated timings of one thing fell."""
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def measure(

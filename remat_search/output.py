@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat_search.confirm import compare_times
+from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudyReport, StudySummary
 from remat_search.store import TrialResult
@@ -175,7 +176,7 @@ def describe_trial(t: TrialResult) -> str:
     if m and m.step_times:
         lines.append(
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
-            f"spread {(max(m.step_times) - min(m.step_times)) / m.median_seconds:.0%} over {len(m.step_times)} repeats"
+            f"spread {relative_spread(m.step_times):.0%} over {len(m.step_times)} repeats"
         )
     if m and m.anchor_ratios and m.anchor_seconds:
         lines.append(

@@ -210,9 +210,11 @@ def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
     ratio to the anchor in these seconds, so the study's times compare across hours."""
     if not m.anchor_times:
         return None
-    if ANCHOR_ATTR not in study.user_attrs:
-        study.set_user_attr(ANCHOR_ATTR, statistics.median(m.anchor_times))
-    return float(study.user_attrs[ANCHOR_ATTR])
+    reference = study.user_attrs.get(ANCHOR_ATTR)
+    if reference is None:
+        reference = statistics.median(m.anchor_times)
+        study.set_user_attr(ANCHOR_ATTR, reference)
+    return float(reference)
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:

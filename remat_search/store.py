@@ -24,7 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import StorageError
-from remat_search.measurement import Measurement
+from remat_search.measurement import Measurement, relative_spread
 from remat_search.plan import RematPlan
 from remat_search.spec import DEFAULT_STORAGE, STORAGE_ENV
 
@@ -62,7 +62,7 @@ class Confirmed(BaseModel):
     @property
     def spread(self) -> float:
         """(max − min) / median of the re-timed steps."""
-        return (max(self.times) - min(self.times)) / self.median
+        return relative_spread(self.times)
 
 
 def load_confirmations(study: optuna.Study) -> dict[int, Confirmed]:
