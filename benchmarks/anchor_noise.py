@@ -12,7 +12,6 @@ Only trials that ran in their own study count (no cache: each study has its own 
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import optuna
@@ -34,7 +33,7 @@ def main() -> None:
             if t.plan is None or not t.plan.is_uniform or t.reused_from is not None or not m or not m.anchor_ratios:
                 continue
             raw.setdefault(t.summary(), []).append(m.median_seconds)
-            ratio.setdefault(t.summary(), []).append(statistics.median(m.anchor_ratios))
+            ratio.setdefault(t.summary(), []).append(m.anchor_ratio)
     if not raw:
         raise SystemExit(f"no anchored preset timings under {STUDIES}: run benchmarks/search_quality.py first")
     print("| preset | studies | raw search median | its spread | median ratio to the anchor | its spread |")

@@ -118,9 +118,14 @@ class Measurement(BaseModel):
     def step_seconds(self) -> float | None:
         """The step time the study ranks by: the median ratio to the anchor times the
         study's anchor seconds where anchored, else the measured median, or the estimate."""
-        if self.anchor_ratios and self.anchor_seconds:
-            return statistics.median(self.anchor_ratios) * self.anchor_seconds
+        if self.anchor_ratio is not None and self.anchor_seconds:
+            return self.anchor_ratio * self.anchor_seconds
         return self.median_seconds if self.step_times else self.estimated_seconds
+
+    @property
+    def anchor_ratio(self) -> float | None:
+        """The median of :attr:`anchor_ratios`: the plan's step over the anchor's (None if unanchored)."""
+        return statistics.median(self.anchor_ratios) if self.anchor_times else None
 
     @property
     def anchor_ratios(self) -> tuple[float, ...]:

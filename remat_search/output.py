@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 
 from rich.console import Console, Group
@@ -178,9 +177,9 @@ def describe_trial(t: TrialResult) -> str:
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
             f"spread {relative_spread(m.step_times):.0%} over {len(m.step_times)} repeats"
         )
-    if m and m.anchor_ratios and m.anchor_seconds:
+    if m and m.anchor_ratio is not None and m.anchor_seconds:
         lines.append(
-            f"  vs the anchor (full remat), step by step: median ratio {statistics.median(m.anchor_ratios):.3f}, "
+            f"  vs the anchor (full remat), step by step: median ratio {m.anchor_ratio:.3f}, "
             f"spread {m.spread:.0%}; at the study's anchor time of {format_seconds(m.anchor_seconds)}: "
             f"{format_seconds(m.step_seconds)}"
         )
