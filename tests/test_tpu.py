@@ -19,7 +19,7 @@ V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 HBM_V5E = int(15.75 * 2**30)  # "available HBM (15.75G)", as libtpu reports a v5e chip
 QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))
 # Attention-heavy enough that activations, not weights, set the per-chip peak.
-SMALL = TransformerConfig(kind="transformer", layers=2, d_model=128, heads=4, d_ff=512, seq_len=512, batch=32, vocab=256)
+SMALL = TransformerConfig(kind="transformer", layers=2, d_model=128, heads=4, d_ff=512, seq_len=256, batch=16, vocab=256)
 # 2 layers of 192 sequences × 1024 tokens per chip: too big for 16 GiB unless recomputed
 # (jax 0.10.2, libtpu 0.0.42.1: no remat needs 20.4 GiB, full remat peaks at 14.4 GiB).
 LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_ff=2048, seq_len=1024, batch=768, vocab=256)
@@ -37,7 +37,7 @@ def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None =
 
 @pytest.fixture(scope="module")
 def small() -> dict[str, Measurement]:
-    """SMALL compiled for a v5e 2x2 under three policies (one TPU compile each, ~15 s)."""
+    """SMALL compiled for a v5e 2x2 under three policies (one TPU compile each, ~6 s)."""
     return {label: _measure(SMALL, policy) for label, policy in (("none", "none"), ("full", "full"), ("save_qkv", QKV))}
 
 
@@ -67,7 +67,7 @@ def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_while_full
 def test_fsdp_divides_per_chip_argument_bytes_by_the_mesh() -> None:
     # Widths that stay multiples of the TPU's 128-lane tiles when split 4 ways: no padding.
     config = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=4, d_ff=2048,
-                               seq_len=128, batch=32, vocab=1024)
+                               seq_len=32, batch=8, vocab=1024)
     replicated = _measure(config, "full", {"data": 4}).memory
     sharded = _measure(config, "full", {"fsdp": 4}).memory
     tokens = config.batch // 4 * (config.seq_len + 1) * 4  # int32 batch, split 4 ways in both
