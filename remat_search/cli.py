@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from remat_search import output
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError, WorkloadError
 from remat_search.spec import STORAGE_ENV, check_study_name
-from remat_search.units import format_bytes, format_seconds, parse_bytes
+from remat_search.units import format_bytes, format_seconds, parse_bytes, size_argument
 
 EXIT_CODES: dict[type[RematSearchError], int] = {
     SpecError: 2,
@@ -133,7 +133,7 @@ def run(
     output.console.print(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
-        f"--budget {report.budget} --json > plan.json"
+        f"--budget {size_argument(report.budget)} --json > plan.json"
     )
 
 

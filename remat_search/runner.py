@@ -159,12 +159,13 @@ class Runner:
         self.close()
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
-        self._process = context.Process(
+        process = context.Process(
             target=_serve,
             args=(child_conn, self._workload, self._where, self._compilation_cache, os.getpid()),
             name="remat-search-worker", daemon=True,
         )
-        self._process.start()
+        process.start()  # may raise (e.g. a script without `if __name__ == "__main__":`); close() then has nothing to join
+        self._process = process
         child_conn.close()
         self._conn = parent_conn
         if not parent_conn.poll(STARTUP_TIMEOUT):

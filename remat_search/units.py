@@ -59,6 +59,15 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_argument(n: int) -> str:
+    """Write ``n`` bytes as a size :func:`parse_bytes` reads back exactly, in the largest binary
+    unit that divides it: ``40 * 2**20`` → ``40MiB``, ``1000`` → ``1000``. For commands we print."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 def format_seconds(s: float) -> str:
     """Render a step time: milliseconds below ten seconds."""
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"

@@ -150,10 +150,13 @@ def test_reports_from_the_cli(finished, cli, tmp_path: Path) -> None:  # type: i
     assert "layer  0: full" in shown and "peak" in shown
 
 
-def test_rerunning_a_finished_study_measures_nothing_more(finished) -> None:  # type: ignore[no-untyped-def]
+def test_rerunning_a_finished_study_measures_nothing_more(finished, cli) -> None:  # type: ignore[no-untyped-def]
     _, spec_path, report = finished
     again = remat_search.run(remat_search.load_spec(spec_path))
     assert [t.number for t in again.trials] == [t.number for t in report.trials]
+    result = cli("run", str(spec_path))
+    assert result.exit_code == 0, result.stderr
+    assert "--budget 1GiB --json" in " ".join(result.stdout.split())  # the hint, as the user would type it
 
 
 def test_resuming_with_another_budget_is_refused(finished, cli) -> None:  # type: ignore[no-untyped-def]

@@ -1,6 +1,6 @@
 import pytest
 
-from remat_search.units import format_bytes, parse_bytes, parse_seconds
+from remat_search.units import format_bytes, parse_bytes, parse_seconds, size_argument
 
 
 @pytest.mark.parametrize(
@@ -32,3 +32,9 @@ def test_parse_seconds_rejects(text: object) -> None:
 def test_format_bytes() -> None:
     assert format_bytes(200 * 2**20) == "200.0 MiB"
     assert format_bytes(512) == "512 B"
+
+
+@pytest.mark.parametrize(("n", "text"), [(40 * 2**20, "40MiB"), (14 * 2**30, "14GiB"), (3 * 2**10, "3KiB"),
+                                         (1000, "1000"), (40 * 2**20 + 1, "41943041")])
+def test_size_argument_is_exact_and_short(n: int, text: str) -> None:
+    assert size_argument(n) == text and parse_bytes(text) == n
