@@ -22,7 +22,8 @@ see ``remat_search.confirm``), and all columns below use those medians:
   ratio to no remat's; the preset row is the fastest preset that fits, by these medians;
 * within 3%: after how many trials the method's best so far (by its own search medians,
   what it would answer if stopped there) is within 3% of the fastest plan any method found;
-* compiles, and wall: the trials' durations summed (proposing, compiling, running).
+* compiles: plans the compiler saw (not cache reuses, not plans screened out by `prescreen`);
+  wall: the trials' durations summed (proposing, compiling, running).
 
 Below the table: verdicts on the two timing targets, the planner's prediction error on
 the plans it proposed (each predicted before it was measured, so never trained on), and
@@ -120,7 +121,7 @@ def main() -> None:
                 "GFLOP": f"{t.measurement.flops / 1e9:.3f}" if t else "—",
                 "vs none": f"{median[plan] / median[NONE]:.3f}" if plan else "—",
                 "within 3%": str(reached) if reached else f"> {len(trials[method])}",
-                "compiles": str(sum(1 for x in trials[method] if x.reused_from is None and x.peak_bytes is not None)),
+                "compiles": str(sum(1 for x in trials[method] if x.reused_from is None and x.measurement and x.measurement.compiled)),
                 "wall": f"{preset_wall if method == 'preset' else walls[method]:.0f} s",
             })
         verdicts.append(_verdict(fraction, answers, times, {r["method"]: r["within 3%"] for r in rows[-5:]}))

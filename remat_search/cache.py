@@ -74,12 +74,13 @@ def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> tuple[Mea
 
 
 def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, trial: int) -> None:
-    """Keep ``m`` unless it failed (failures may be passing: a busy machine, a timeout).
+    """Keep ``m`` unless it failed (failures may be passing: a busy machine, a timeout) or was
+    screened out (its peak is a prediction, not the compiler's).
 
     A measurement that ran replaces one that was only compiled (over an earlier budget), or
     one timed alone where it was timed against the anchor.
     """
-    if m.status == "failed":
+    if m.status == "failed" or not m.compiled:
         return
     key = cache_key(device, m.plan_digest)
     row = {**key, "measurement": m.model_dump_json(), "study": study, "trial": trial,

@@ -130,8 +130,10 @@ def run(
     confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.confirmed.median)
     if confirmed:
         output.console.print(output.confirmed_table(report, confirmed))
+    screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)
     output.console.print(
-        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run), "
+        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
+        + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
         f"--budget {size_argument(report.budget)} --json > plan.json"
     )

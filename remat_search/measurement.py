@@ -87,6 +87,9 @@ class Measurement(BaseModel):
     """From the compiler's own out-of-memory error (TPU): bytes its temporaries need…"""
     oom_available_bytes: int | None = None
     """…and the HBM it had for them."""
+    screened_bytes: int | None = None
+    """Where the plan was screened out without compiling (``prescreen``): the peak the
+    study's cost model predicted for it, far over the budget."""
     flops: float | None = None
     bytes_accessed: float | None = None
     compile_seconds: float | None = None
@@ -111,8 +114,16 @@ class Measurement(BaseModel):
 
     @property
     def peak_bytes(self) -> int | None:
-        """Peak device bytes (per chip), or None when the compile did not get that far."""
-        return self.memory.peak if self.memory else self.oom_required_bytes
+        """Peak device bytes (per chip) as compiled, or as predicted for a screened plan; None
+        when the compile did not get that far."""
+        if self.memory:
+            return self.memory.peak
+        return self.oom_required_bytes if self.oom_required_bytes is not None else self.screened_bytes
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiler saw the plan (it was not screened out, nor failed before)."""
+        return self.memory is not None or self.oom_required_bytes is not None
 
     @property
     def step_seconds(self) -> float | None:

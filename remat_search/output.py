@@ -28,10 +28,13 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
         table.add_column(column, justify="right" if column not in ("plan", "status") else "left")
     for t in trials:
         m = t.measurement
-        peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—"
+        screened = m is not None and m.screened_bytes is not None
+        peak = ("~" if screened else "") + (format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—")
         if budget and t.peak_bytes is not None:
             peak += f" ({t.peak_bytes / budget:.0%})"
         status = ("fits" if t.time_estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
+        if screened:
+            status += " (predicted, not compiled)"
         if t.cached_from:
             status += f" (cached: {t.cached_from})"
         if t.error and t.status == "failed":
@@ -166,6 +169,11 @@ def describe_trial(t: TrialResult) -> str:
         lines.append(
             f"  step: estimated {format_seconds(m.estimated_seconds)} (roofline of {m.flops / 1e9:.1f} GFLOP and "
             f"{(m.bytes_accessed or 0) / 1e9:.2f} GB of HBM traffic per chip; nothing was run)"
+        )
+    if m and m.screened_bytes is not None:
+        lines.append(
+            f"  screened out, never compiled: the study's cost model predicts a peak of "
+            f"{format_bytes(m.screened_bytes)}, more than prescreen × budget even allowing for its largest over-prediction"
         )
     if m and m.oom_required_bytes is not None:
         lines.append(

@@ -56,6 +56,8 @@ TARGETS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 """Budgets the sampler plans for, as fractions of the study's: the budget first, then the front."""
 PER_TARGET = 3
 """How far down the front, from the fastest plan for a target, the sampler looks for one untried."""
+MIN_CALIBRATION = 3
+"""Measured mixed plans the model's error must be known from before it may screen a plan out."""
 MAX_STATES = 20_000
 """Front size above which :func:`solve_front` merges states of nearly equal memory."""
 
@@ -100,6 +102,10 @@ class CostModel(BaseModel):
     """Calibration: the largest relative under-prediction of a measured mixed plan's peak by
     the model fitted without it (leave-one-out). Plans for a budget are chosen to fit
     ``budget / (1 + margin)``, so that an error the study has seen is not made again."""
+    overshoot: float = 0.0
+    """The other side of the calibration: the largest relative over-prediction of such a peak."""
+    calibrated_on: int = 0
+    """How many measured mixed plans :attr:`margin` and :attr:`overshoot` come from."""
 
     def predict(self, choices: Sequence[str]) -> Prediction | None:
         """Predicted peak and time of a plan by choice label per unit; None for unknown labels."""
@@ -112,6 +118,14 @@ class CostModel(BaseModel):
             peak=self.base_peak + float(sum(self.peak[u, k] for u, k in zip(units, idx, strict=True))),
             seconds=self.base_seconds + float(sum(self.seconds[u, k] for u, k in zip(units, idx, strict=True))),
         )
+
+    def certainly_over(self, choices: Sequence[str], budget: float, factor: float) -> Prediction | None:
+        """The prediction for ``choices`` if the plan needs more than ``factor × budget`` even
+        were the model over-predicting it by the most it ever has (:attr:`overshoot`); None
+        if it may not, or while fewer than :data:`MIN_CALIBRATION` mixed plans calibrate that."""
+        if self.calibrated_on < MIN_CALIBRATION or (prediction := self.predict(choices)) is None:
+            return None
+        return prediction if prediction.peak / (1 + self.overshoot) > factor * budget else None
 
     def front(self, cap: float | None = None) -> list[Prediction]:
         """The predicted Pareto front, least memory first (only peaks ≤ ``cap`` if given)."""
@@ -188,11 +202,13 @@ def fit_cost_model(
     seconds, _ = _ridge(
         [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, preset_seconds[ref], time_prior, ridge,
     )
-    # Calibration: how far the model under-predicts a mixed plan's peak it was not fitted to.
-    under = [o.peak / loo - 1 for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
+    # Calibration: how far the model misses a mixed plan's peak it was not fitted to.
+    held_out = [(o.peak, loo) for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
     return CostModel(
         units=tuple(units), labels=tuple(usable), base_peak=preset_peak[ref], base_seconds=preset_seconds[ref],
-        peak=peak, seconds=seconds, observations=len(priced), margin=max([0.0, *under]),
+        peak=peak, seconds=seconds, observations=len(priced),
+        margin=max([0.0, *(real / loo - 1 for real, loo in held_out)]),
+        overshoot=max([0.0, *(loo / real - 1 for real, loo in held_out)]), calibrated_on=len(held_out),
     )
 
 

@@ -69,7 +69,7 @@ class StudyReport(BaseModel):
             if fastest.confirmed is None:
                 return fastest
             return min(confirmed, key=lambda t: (t.confirmed.median, t.peak_bytes, t.number))
-        peaks = [t for t in self.trials if t.peak_bytes is not None]
+        peaks = [t for t in self.trials if t.peak_bytes is not None and t.measurement and t.measurement.compiled]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
         smallest = min(peaks, key=lambda t: t.peak_bytes)  # type: ignore[arg-type, return-value]

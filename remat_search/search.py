@@ -29,7 +29,7 @@ from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
-from remat_search.planner import make_sampler
+from remat_search.planner import make_sampler, study_cost_model
 from remat_search.report import StudyReport, study_report
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
@@ -61,7 +61,7 @@ IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 INITIALIZED_ATTR = "initialized"
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
-SETTINGS_FIELDS = ("timing", "gradient_tolerance", "compilation_cache")
+SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache")
 SETTINGS_ATTR = "settings"
 ANCHOR_ATTR = "anchor_seconds"
 
@@ -190,7 +190,9 @@ def _run_trial(
                 cached_from = f"{hit[1]}#{hit[2]}"
                 trial.set_user_attr(CACHED_ATTR, cached_from)
         else:
-            m = runner.measure(plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
+            m = _screened(spec, study, layers, trial.params, plan, budget) or runner.measure(
+                plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
+            )
     except BaseException:
         _interrupt(study, study._storage.get_trial(trial._trial_id), n_params(spec.space, layers))
         raise
@@ -202,6 +204,22 @@ def _run_trial(
         number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
         reused_from=reused_from, cached_from=cached_from, error=m.error,
     )
+
+
+def _screened(
+    spec: SearchSpec, study: optuna.Study, layers: int, params: dict[str, Any], plan: RematPlan, budget: int
+) -> Measurement | None:
+    """An over-budget measurement without a compile, where the study's cost model says the
+    plan certainly needs more than ``spec.prescreen × budget`` (see
+    :meth:`CostModel.certainly_over`); None where the plan must be compiled."""
+    if spec.prescreen is None or plan.layout != "flat":
+        return None
+    model = study_cost_model(study, spec.space, layers)
+    units = param_names(spec.space, layers)
+    prediction = model and model.certainly_over([str(params[u]) for u in units], budget, spec.prescreen)
+    if not prediction:
+        return None
+    return Measurement(status="over_budget", plan_digest=plan.digest, screened_bytes=round(prediction.peak))
 
 
 def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:

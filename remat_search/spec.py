@@ -278,6 +278,10 @@ class SearchSpec(_Frozen):
     timing: TimingConfig = TimingConfig()
     gradient_tolerance: PositiveFloat = 1e-3
     confirm: ConfirmConfig = ConfirmConfig()
+    prescreen: float | None = Field(default=1.2, gt=1)
+    """Record a plan over budget without compiling it when the study's cost model (see
+    ``planner``) predicts a peak above ``prescreen × budget`` even allowing for the largest
+    over-prediction it has made on the study's mixed plans (null: compile every plan)."""
     compilation_cache: str | None = "storage/jax-cache"
     """Directory of JAX's persistent compilation cache for the worker (null: none): a plan
     compiled before, in any study, loads in a moment instead of compiling again."""

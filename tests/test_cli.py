@@ -49,6 +49,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("confirm one plan", {"confirm": {"top": 1}}, "spec.confirm.top: 0 (skip) or at least 2"),
     ("confirm presets", {"confirm": {"presets": "maybe"}}, "spec.confirm.presets: Input should be a valid boolean"),
     ("timing anchor", {"timing": {"anchor": "sometimes"}}, "spec.timing.anchor: Input should be a valid boolean"),
+    ("prescreen at or under the budget", {"prescreen": 1.0}, "spec.prescreen: Input should be greater than 1"),
 ]
 
 

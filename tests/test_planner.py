@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+import sqlalchemy
 
 import remat_search
+from remat_search import cache
 from remat_search.planner import Observation, fit_cost_model, solve_front
 from remat_search.spec import parse_spec
 from remat_search.store import PREDICTION_ATTR
 
-from .conftest import spec_dict
+from .conftest import CHOICES, TINY_TRANSFORMER, spec_dict
 
 
 def _brute_force(memory: np.ndarray, seconds: np.ndarray, cap: float) -> float | None:
@@ -143,6 +145,35 @@ def test_calibration_margin_keeps_proposals_under_the_budget() -> None:
         assert best is None or true_peak(best.choices) <= b
 
 
+def test_a_plan_is_screened_out_only_when_certainly_over_the_budget() -> None:
+    """Mixed plans cost 15 less than any additive model says. A plan the model screens out
+    at ``1.05 × budget`` is over the budget in truth, though the model over-predicts it by
+    more than 5%; and nothing is screened before three mixed plans have shown that error."""
+    labels = ("none", "full", "dots")
+    units = [f"layer_{i:02d}" for i in range(4)]
+
+    def true_peak(plan: tuple[str, ...]) -> float:
+        return _synthetic(plan)[0] - (15.0 if len(set(plan)) > 1 else 0.0)
+
+    every = list(itertools.product(labels, repeat=4))
+    kwargs = {"labels": labels, "unit_layers": [[i] for i in range(4)], "units": units, "layers": 4}
+
+    def observed(plan: tuple[str, ...]) -> Observation:
+        return Observation(choices=plan, peak=true_peak(plan), flops=_synthetic(plan)[1], seconds=_synthetic(plan)[2])
+
+    presets = [observed((c,) * 4) for c in labels]
+    mixed = [p for p in random.Random(2).sample(every, 12) if len(set(p)) > 1]
+    budgets = np.linspace(80, 170, 10)
+    early = fit_cost_model(presets + [observed(p) for p in mixed[:2]], **kwargs)
+    assert not any(early.certainly_over(p, b, 1.05) for p in every for b in budgets)
+
+    model = fit_cost_model(presets + [observed(p) for p in mixed], **kwargs)
+    assert model.calibrated_on == len(mixed) and model.overshoot > 0
+    screened = [(p, b) for p in every for b in budgets if model.certainly_over(p, b, 1.05)]
+    assert screened  # the model does screen
+    assert all(true_peak(p) > b for p, b in screened)
+
+
 def test_cost_model_needs_two_priced_choices_and_a_timed_plan() -> None:
     only_peaks = [Observation(choices=(c,) * 2, peak=1.0, flops=1.0) for c in ("none", "full")]
     kwargs = {"labels": ("none", "full"), "unit_layers": [[0], [1]], "units": ["a", "b"], "layers": 2}
@@ -184,3 +215,37 @@ def test_planner_study_proposes_predicted_plans_that_fit(tmp_path: Path, storage
     assert abs(first["peak"] - measured) / measured < 0.1
     plans = [t.plan.digest for t in report.trials]
     assert len(plans) == len(set(plans))  # the planner never proposes a plan twice
+
+
+def test_a_search_screens_out_far_over_plans_without_compiling(storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+    """Under a budget only full remat fits, a random search records the plans its calibrated
+    cost model predicts far over (``prescreen``) without compiling or caching them; a study
+    that compiles every plan finds each of them over the budget."""
+    workload = {**TINY_TRANSFORMER, "layers": 3, "batch": 8, "seq_len": 64}
+    space = {"layout": "per_layer", "choices": CHOICES}
+    presets = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="presets", workload=workload, space=space, trials=4, confirm={"top": 0},
+    )))
+    budget = next(t.peak_bytes for t in presets.trials if t.labels[0] == "full") + 1
+
+    def search(study: str, prescreen: float | None) -> remat_search.StudyReport:
+        return remat_search.run(parse_spec(spec_dict(
+            storage_url, study=study, workload=workload, space=space, trials=12, budget=budget,
+            prescreen=prescreen, confirm={"top": 0}, sampler={"kind": "random", "seed": 3},
+        )))
+
+    screened = {t.plan.digest: t for t in search("screening", 1.2).trials if t.measurement.screened_bytes is not None}
+    assert len(screened) >= 3, "nothing was screened out"
+    assert all(t.status == "over_budget" and not t.measurement.compiled and t.peak_bytes > 1.2 * budget
+               for t in screened.values())
+    with sqlalchemy.create_engine(storage_url).connect() as connection:
+        cached = set(connection.execute(sqlalchemy.select(cache.measurements.c.plan)).scalars())
+    assert not cached & screened.keys()
+    shown = cli("show", "--study", "screening", "--trial", str(next(iter(screened.values())).number),
+                "--storage", storage_url).stdout
+    assert "screened out, never compiled" in shown
+
+    compiled = {t.plan.digest: t for t in search("compiling", None).trials}
+    assert screened.keys() <= compiled.keys()  # the same seed proposes the same plans
+    for digest in screened:
+        assert compiled[digest].measurement.compiled and compiled[digest].peak_bytes > budget
