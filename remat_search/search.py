@@ -44,6 +44,7 @@ from remat_search.store import (
     MEASUREMENT_ATTR,
     PID_ATTR,
     PLAN_ATTR,
+    PREDICTION_ATTR,
     REUSED_ATTR,
     TrialResult,
     check_storage,
@@ -190,7 +191,7 @@ def _run_trial(
                 cached_from = f"{hit[1]}#{hit[2]}"
                 trial.set_user_attr(CACHED_ATTR, cached_from)
         else:
-            m = _screened(spec, study, layers, trial.params, plan, budget) or runner.measure(
+            m = _screened(spec, study, trial, layers, plan, budget) or runner.measure(
                 plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
             )
     except BaseException:
@@ -207,16 +208,17 @@ def _run_trial(
 
 
 def _screened(
-    spec: SearchSpec, study: optuna.Study, layers: int, params: dict[str, Any], plan: RematPlan, budget: int
+    spec: SearchSpec, study: optuna.Study, trial: optuna.Trial, layers: int, plan: RematPlan, budget: int
 ) -> Measurement | None:
     """An over-budget measurement without a compile, where the study's cost model says the
     plan certainly needs more than ``spec.prescreen × budget`` (see
-    :meth:`CostModel.certainly_over`); None where the plan must be compiled."""
-    if spec.prescreen is None or plan.layout != "flat":
+    :meth:`CostModel.certainly_over`); None where the plan must be compiled. The planner's
+    own proposals (with a prediction) were chosen to fit by that model: never screened."""
+    if spec.prescreen is None or plan.layout != "flat" or PREDICTION_ATTR in trial.user_attrs:
         return None
     model = study_cost_model(study, spec.space, layers)
     units = param_names(spec.space, layers)
-    prediction = model and model.certainly_over([str(params[u]) for u in units], budget, spec.prescreen)
+    prediction = model and model.certainly_over([str(trial.params[u]) for u in units], budget, spec.prescreen)
     if not prediction:
         return None
     return Measurement(status="over_budget", plan_digest=plan.digest, screened_bytes=round(prediction.peak))
