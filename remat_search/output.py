@@ -18,7 +18,10 @@ from remat_search.units import format_bytes, format_seconds
 console = Console()
 errors = Console(stderr=True)
 
-_STATUS_STYLE = {"measured": "green", "over_budget": "yellow", "failed": "red", "interrupted": "dim"}
+_STATUS_STYLE = {
+    "measured": "green", "over_budget": "yellow", "failed": "red", "interrupted": "dim", "running": "cyan",
+    "waiting": "dim",
+}
 
 
 def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
@@ -47,7 +50,7 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
             _confirmed(t),
             _gflop(m.flops) if m and m.flops is not None else "—",
-            f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
+            Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
         )
     return table
 

@@ -1,0 +1,30 @@
+"""What the query commands print, read as a user reads it: studies mid-search, narrow terminals, help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from remat_search.plan import RematPlan
+from remat_search.store import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
+
+
+def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    """As during every search and after every interruption: a trial running, one queued."""
+    study = optuna.create_study(study_name="tiny", storage=storage_url, directions=["minimize", "minimize"])
+    failed = study.ask()
+    failed.set_user_attr(FAILURE_ATTR, "E [/] [b]")  # brackets are text, not markup
+    study.tell(failed, state=TrialState.FAIL)
+    running = study.ask()
+    running.set_user_attr(PLAN_ATTR, RematPlan.uniform("full", 2).to_json())
+    running.set_user_attr(LABELS_ATTR, ["full", "full"])
+    study.enqueue_trial({"layer_00": "none", "layer_01": "none"})
+
+    result = cli("show", "--study", "tiny", "--storage", storage_url)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
+    assert "running" in rows["1"] and "full×2" in rows["1"]
+    assert "waiting" in rows["2"]
+    assert "failed: E [/]" in rows["0"]
