@@ -211,6 +211,8 @@ def _serve(
 
         from remat_search.workload import build_workload, program_fingerprint
 
+        if target == "local" and not jax.config.jax_platforms and _cpu_only_host():
+            jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
         if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -267,6 +269,20 @@ def _serve(
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             where = traceback.extract_tb(e.__traceback__)[-1]
             conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
+
+
+def _cpu_only_host() -> bool:
+    """Whether JAX could find nothing here but the CPU: no GPU plugin is installed and no TPU
+    chip is attached (JAX's own PCI check). JAX would still load libtpu, where installed, to
+    look for TPUs, and libtpu prints TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings."""
+    import importlib.util
+
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+    except ImportError:  # moved in another JAX: let JAX look for itself
+        return False
+    plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
+    return not plugins and num_available_tpu_chips_and_device_id()[0] == 0
 
 
 def _local_memory_limit(device: object) -> int | None:
