@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from remat_search import output
@@ -64,7 +65,7 @@ def _handle_errors(command: F) -> F:
         except RematSearchError as e:
             if os.environ.get("REMAT_SEARCH_DEBUG"):
                 raise
-            output.errors.print(f"[red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            output.errors.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_CODES.get(type(e), 2)) from None
 
     return wrapper  # type: ignore[return-value]

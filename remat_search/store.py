@@ -174,11 +174,16 @@ def translate_errors(url: str) -> Iterator[None]:
         yield
     except StorageError:
         raise
-    except (sqlalchemy.exc.NoSuchModuleError, ModuleNotFoundError) as e:
+    except sqlalchemy.exc.NoSuchModuleError as e:
         raise StorageError(
             f"storage: {shown!r} needs a database driver that is not installed ({e}); "
-            "for PostgreSQL: pip install psycopg2-binary"
+            "URLs name the database and driver as in postgresql+psycopg://user@host/db"
         ) from None
+    except ModuleNotFoundError as e:
+        missing = _missing_driver(url, e)
+        if missing is None:  # not the driver: a bug, with its own traceback
+            raise
+        raise StorageError(f"storage: {shown!r} {missing}") from None
     except sqlalchemy.exc.ArgumentError:
         raise StorageError(
             f"storage: {shown!r} is not a database URL; expected e.g. "
@@ -187,6 +192,47 @@ def translate_errors(url: str) -> Iterator[None]:
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise StorageError(f"storage: cannot use {shown!r} ({reason})") from None
+
+
+# SQLAlchemy's driver name → the module it imports and what `pip install` needs to install it.
+_DRIVERS = {
+    "psycopg": ("psycopg", '"psycopg[binary]"'),
+    "psycopg_async": ("psycopg", '"psycopg[binary]"'),
+    "psycopg2": ("psycopg2", "psycopg2-binary"),
+    "pg8000": ("pg8000", "pg8000"),
+    "asyncpg": ("asyncpg", "asyncpg"),
+    "mysqldb": ("MySQLdb", "mysqlclient"),
+    "pymysql": ("pymysql", "pymysql"),
+    "mysqlconnector": ("mysql", "mysql-connector-python"),
+    "mariadbconnector": ("mariadb", "mariadb"),
+    "asyncmy": ("asyncmy", "asyncmy"),
+    "aiomysql": ("aiomysql", "aiomysql"),
+    "oracledb": ("oracledb", "oracledb"),
+    "pyodbc": ("pyodbc", "pyodbc"),
+    "pymssql": ("pymssql", "pymssql"),
+}
+
+
+def _missing_driver(url: str, error: ModuleNotFoundError) -> str | None:
+    """What to install (or write) when ``error`` is the driver of ``url`` not being installed;
+    None when it is another module. A bare ``postgresql://`` means SQLAlchemy's default driver
+    (psycopg 3 since SQLAlchemy 2.1), so the command follows the URL as written."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        driver, dialect = parsed.get_driver_name(), parsed.get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError):
+        return None
+    module, package = _DRIVERS.get(driver, (driver, driver))
+    if (error.name or "").partition(".")[0] != module.partition(".")[0]:
+        return None
+    if getattr(dialect, "is_async", False):  # optuna's storage is synchronous
+        backend = parsed.get_backend_name()
+        sync = sqlalchemy.engine.make_url(f"{backend}://").get_driver_name()
+        return (
+            f"names {driver}, an asyncio driver, which optuna's storage cannot use; write "
+            f"{backend}+{sync}:// and pip install {_DRIVERS.get(sync, (sync, sync))[1]}"
+        )
+    return f"needs the {driver} driver, which is not installed: pip install {package}"
 
 
 def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:

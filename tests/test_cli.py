@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from remat_search.store import translate_errors
 
 from .conftest import spec_dict, write_spec
 
@@ -79,6 +82,40 @@ def test_malformed_yaml_and_missing_file(cli, tmp_path: Path) -> None:  # type: 
 def test_bad_storage_url_is_rejected(cli, tmp_path: Path, storage_url: str, url: str, field: str) -> None:  # type: ignore[no-untyped-def]
     spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url))
     _assert_rejected(cli("run", str(spec), "--storage", url), f"storage: {field}" if "directory" in field else field, tmp_path)
+
+
+MISSING_DRIVERS = [  # URL as written, the driver module SQLAlchemy imports for it, what the user is told
+    ("postgresql://u@db.example/studies", "psycopg",
+     'needs the psycopg driver, which is not installed: pip install "psycopg[binary]"'),
+    ("postgresql+psycopg://u@db.example/studies", "psycopg", 'pip install "psycopg[binary]"'),
+    ("postgresql+psycopg2://u@db.example/studies", "psycopg2", "pip install psycopg2-binary"),
+    ("postgresql+pg8000://u@db.example/studies", "pg8000", "pip install pg8000"),
+    ("postgresql+asyncpg://u@db.example/studies", "asyncpg", (
+        "names asyncpg, an asyncio driver, which optuna's storage cannot use; write postgresql+psycopg:// "
+        'and pip install "psycopg[binary]"')),
+    ("mysql://u@db.example/studies", "MySQLdb", "pip install mysqlclient"),
+    ("mysql+pymysql://u@db.example/studies", "pymysql", "pip install pymysql"),
+    ("mysql+mysqlconnector://u@db.example/studies", "mysql", "pip install mysql-connector-python"),
+]
+
+
+@pytest.mark.parametrize(("url", "module", "hint"), MISSING_DRIVERS, ids=[u for u, _, _ in MISSING_DRIVERS])
+def test_a_missing_driver_is_named_with_the_command_that_installs_it(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, storage_url: str, url: str, module: str, hint: str
+) -> None:
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url))
+    for args in (["run", str(spec)], ["studies"]):
+        result = cli(*args, "--storage", url)
+        _assert_rejected(result, f"storage: {url!r} {hint}" if "asyncio" in hint else hint, tmp_path)
+        assert result.stderr.rstrip().endswith(hint), result.stderr
+
+
+def test_only_a_missing_driver_is_reported_as_one() -> None:
+    """Another module missing inside a storage operation is a bug: it keeps its own error."""
+    with pytest.raises(ModuleNotFoundError, match="no_such_helper"), translate_errors("postgresql://u@h/db"):
+        import no_such_helper  # type: ignore[import-not-found]  # noqa: F401
 
 
 def test_storage_comes_from_flag_then_environment_then_spec(cli, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import optuna
 from optuna.trial import TrialState
 
