@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -100,10 +101,37 @@ def run(
     A plan measured before for this workload and device, in any study, is not compiled
     again (unless it was only compiled, over an earlier budget, and now fits).
     """
-    from remat_search.search import run as run_search
     from remat_search.spec import load_spec
 
     loaded = load_spec(spec, storage=storage)
+    try:
+        report = _search(loaded)
+    except KeyboardInterrupt:
+        again = ["remat-search", "run", str(spec)]
+        if storage and storage != os.environ.get(STORAGE_ENV):
+            again += ["--storage", storage]
+        output.errors.print(
+            f"interrupted: finished trials are kept, and the same command resumes the study: {shlex.join(again)}",
+            markup=False, highlight=False, soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
+    output.console.print(output.front_table(report))
+    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.confirmed.median)
+    if confirmed:
+        output.console.print(output.confirmed_table(report, confirmed))
+    screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)
+    output.console.print(
+        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
+        + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
+        f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
+        f"--budget {size_argument(report.budget)} --json > plan.json"
+    )
+
+
+def _search(loaded: Any) -> Any:
+    """Run the search of ``loaded`` with a progress bar; return its report."""
+    from remat_search.search import run as run_search
+
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=output.console, transient=False,
@@ -120,24 +148,13 @@ def run(
                     + ("" if device.executes else " (compile only: step times are roofline estimates)")
                 )
             elif last.status == "failed":
-                progress.console.print(f"[red]trial {last.number} failed:[/] {last.error.splitlines()[0]}")
+                progress.console.print(f"[red]trial {last.number} failed:[/] {escape(last.error.splitlines()[0])}")
             if last is not None and last.status == "measured" and last.step_seconds is not None:
                 best.append(last.step_seconds)
             so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
             progress.update(task, completed=done, description=f"searching · {so_far}")
 
-        report = run_search(loaded, on_progress=on_progress)
-    output.console.print(output.front_table(report))
-    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.confirmed.median)
-    if confirmed:
-        output.console.print(output.confirmed_table(report, confirmed))
-    screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)
-    output.console.print(
-        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
-        + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
-        f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
-        f"--budget {size_argument(report.budget)} --json > plan.json"
-    )
+        return run_search(loaded, on_progress=on_progress)
 
 
 @app.command()

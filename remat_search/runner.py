@@ -203,6 +203,7 @@ def _serve(
 ) -> None:
     """The worker's loop: build the workload once, then measure plan after plan."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the search, which stops the worker
     # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     target, mesh_axes = where

@@ -75,5 +75,5 @@ def run_process(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "remat_search.cli", *args], cwd=REPO, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs,
+        **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs},
     )

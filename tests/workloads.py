@@ -53,13 +53,23 @@ class RaisingMlp(MlpWorkload):
 
 
 class HangingMlp(MlpWorkload):
-    """An MLP whose step sleeps far past any test timeout when it runs."""
+    """An MLP whose step sleeps far past any test timeout when it runs (first creating the
+    file ``started``, if given, so that a test knows it hangs now)."""
+
+    def __init__(self, started: str | None = None) -> None:
+        super().__init__(TINY_MLP)
+        self.started = started
 
     def loss(self, plan: RematPlan) -> Callable:
         inner = super().loss(plan)
 
+        def hang() -> None:
+            if self.started:
+                Path(self.started).touch()
+            time.sleep(3600)
+
         def loss_fn(params, batch):  # type: ignore[no-untyped-def]
-            jax.debug.callback(lambda: time.sleep(3600))
+            jax.debug.callback(hang)
             return inner(params, batch)
 
         return loss_fn
@@ -135,8 +145,8 @@ def raising() -> RaisingMlp:
     return RaisingMlp(TINY_MLP)
 
 
-def hanging() -> HangingMlp:
-    return HangingMlp(TINY_MLP)
+def hanging(started: str | None = None) -> HangingMlp:
+    return HangingMlp(started)
 
 
 def not_a_workload() -> dict:
