@@ -8,10 +8,11 @@ names the field.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -339,15 +340,34 @@ def parse_spec(data: dict[str, Any]) -> SearchSpec:
     try:
         return SearchSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(describe_validation_error(e, prefix="spec")) from None
+        raise SpecError(describe_validation_error(e, prefix="spec", model=SearchSpec)) from None
 
 
-def describe_validation_error(e: ValidationError, *, prefix: str) -> str:
-    """One line for a pydantic error: the first field's path, message and bad value."""
+def describe_validation_error(
+    e: ValidationError, *, prefix: str, model: type[BaseModel] | None = None
+) -> str:
+    """One line for a pydantic error: the first field's path, message and bad value.
+
+    An unknown key comes first, with the nearest field of ``model`` at its level if one is
+    near (a misspelled key also makes the field it meant "missing": that error is its echo)."""
     errors = e.errors(include_url=False)
-    first = errors[0]
+    hints: dict[tuple, str] = {}  # unknown key's location → the hint
+    meant = set()  # locations of the fields the unknown keys stand for
+    for err in errors:
+        if err["type"] == "extra_forbidden" and model is not None:
+            *parent, key = err["loc"]
+            known = _keys_at(model, parent)
+            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hints[err["loc"]] = (
+                f"; did you mean {near[0]!r}?" if near else f"; expected one of: {', '.join(known)}" if known else ""
+            )
+            meant.update((*parent, n) for n in near)
+    # A misspelled key also makes the field it meant "missing": the same mistake, told once.
+    errors = [err for err in errors if not (err["type"] == "missing" and err["loc"] in meant)]
+    first = next((err for err in errors if err["type"] == "extra_forbidden"), errors[0])
+    hint = hints.get(first["loc"], "")
     # Errors on an ancestor of the first field are consequences of it (e.g. an empty list).
-    others = [err for err in errors[1:] if err["loc"] != first["loc"][: len(err["loc"])]]
+    others = [err for err in errors if err is not first and err["loc"] != first["loc"][: len(err["loc"])]]
     loc = ".".join(
         str(p)
         for i, p in enumerate(first["loc"])
@@ -356,13 +376,38 @@ def describe_validation_error(e: ValidationError, *, prefix: str) -> str:
     )
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        message = "unknown key"
+        message = "unknown key" + hint
     elif first["type"] == "missing":
         message = "required field missing"
     elif "input" in first and not isinstance(first["input"], (dict, list)) and "got" not in message and repr(first["input"]) not in message:
         message += f" (got {first['input']!r})"
     more = f" (and {len(others)} more)" if others else ""
     return f"{prefix}.{loc}: {message}{more}" if loc else f"{prefix}: {message}{more}"
+
+
+def _keys_at(model: type[BaseModel], path: list[Any]) -> list[str]:
+    """The field names of the model(s) found at ``path`` (an error's location) under ``model``:
+    a field name goes into its type, a list index stays, a union's tag (``transformer``)
+    picks that member."""
+    models: list[tuple[str | None, type[BaseModel]]] = [(None, model)]
+    for part in path:
+        tagged = [(tag, m) for tag, m in models if tag == part]
+        if tagged or isinstance(part, int):
+            models = tagged or models
+            continue
+        models = [tm for _, m in models if part in m.model_fields for tm in _models_in(m.model_fields[part].annotation)]
+    return list(dict.fromkeys(name for _, m in models for name in m.model_fields))
+
+
+def _models_in(annotation: Any, tag: str | None = None) -> list[tuple[str | None, type[BaseModel]]]:
+    """The pydantic models inside a type (``X | None``, ``tuple[X, ...]``, a tagged union), with their tags."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(tag, annotation)]
+    args = get_args(annotation)
+    if get_origin(annotation) is Annotated:
+        tag = next((m.tag for m in args[1:] if isinstance(m, Tag)), tag)
+        args = args[:1]
+    return [found for arg in args for found in _models_in(arg, tag)]
 
 
 _TAGS = ("transformer", "mlp", "factory", "tpu", "local")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,40 @@ def test_bad_spec_is_rejected(cli, tmp_path: Path, storage_url: str, case: str, 
     spec = spec_dict(storage_url)
     spec.update(change)
     _assert_rejected(cli("run", str(write_spec(tmp_path / "spec.yaml", spec))), field, tmp_path)
+
+
+def _renamed(section: str, key: str, to: str) -> Callable[[dict[str, Any]], None]:
+    """An edit of a spec that renames ``section.key`` (top level: section "") to ``to``."""
+    def edit(spec: dict[str, Any]) -> None:
+        fields = spec[section] if section else spec
+        fields[to] = fields.pop(key, 3)
+    return edit
+
+
+MISSPELLED_KEYS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("trails", _renamed("", "trials", "trails"), "spec.trails: unknown key; did you mean 'trials'?"),
+    ("timing.repeat", _renamed("timing", "repeats", "repeat"), "spec.timing.repeat: unknown key; did you mean 'repeats'?"),
+    ("workload.leyers", _renamed("workload", "layers", "leyers"),
+     "spec.workload.leyers: unknown key; did you mean 'layers'?"),
+    ("space.choice", _renamed("space", "choices", "choice"), "spec.space.choice: unknown key; did you mean 'choices'?"),
+    ("confirm.rouns", _renamed("confirm", "rounds", "rouns"), "spec.confirm.rouns: unknown key; did you mean 'rounds'?"),
+    ("two typos", lambda spec: (_renamed("timing", "repeats", "repeat")(spec), _renamed("", "trials", "trails")(spec)),
+     "spec.timing.repeat: unknown key; did you mean 'repeats'? (and 1 more)"),
+    ("colour", lambda spec: spec.update(colour="red"), (
+        "spec.colour: unknown key; expected one of: study, storage, workload, space, budget, trials, target, mesh, "
+        "sampler, timing, gradient_tolerance, confirm, prescreen, compilation_cache")),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "line"), MISSPELLED_KEYS, ids=[c[0] for c in MISSPELLED_KEYS])
+def test_a_misspelled_key_is_named_with_the_nearest_field(  # type: ignore[no-untyped-def]
+    cli, tmp_path: Path, storage_url: str, case: str, edit: Callable[[dict[str, Any]], None], line: str
+) -> None:
+    spec = copy.deepcopy(spec_dict(storage_url))
+    edit(spec)
+    result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    _assert_rejected(result, line, tmp_path)
+    assert result.stderr == f"error: {line}\n"
 
 
 def test_malformed_yaml_and_missing_file(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
