@@ -20,11 +20,11 @@ from remat_search.errors import (
 )
 from remat_search.measurement import Measurement, MemoryBreakdown
 from remat_search.plan import LayerPolicy, RematPlan, apply_layers, checkpoint_policy, scan_layers
-from remat_search.planner import Advice, CostModel, fit_cost_model, plan_for_budget, solve_front
-from remat_search.report import StudyReport, best_plan, list_studies, load_report, pareto_front
-from remat_search.search import run
+from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
+from remat_search.report import best_plan, list_studies, load_report, pareto_front
+from remat_search.results import StudyReport, TrialResult
+from remat_search.search import plan_for_budget, run
 from remat_search.spec import SearchSpec, load_spec
-from remat_search.store import TrialResult
 from remat_search.units import parse_bytes
 from remat_search.workload import Workload, build_workload
 

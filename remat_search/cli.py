@@ -204,7 +204,7 @@ def plan(
     each choice's cost, mixed plans correct it per layer) and solved exactly for the budget.
     A prediction is not a measurement: `best` only returns measured plans.
     """
-    from remat_search.planner import plan_for_budget
+    from remat_search.search import plan_for_budget
 
     advice = plan_for_budget(_study(study), _budget(budget), storage=storage, measure=measure)
     if as_json:
