@@ -8,11 +8,13 @@ to see tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -70,6 +72,19 @@ def _handle_errors(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@contextlib.contextmanager
+def _notes() -> Iterator[None]:
+    """Print the library's notes and warnings (the ``remat_search`` logger) on stderr, one line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("remat_search")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _budget(value: str) -> int:
     try:
         return parse_bytes(value)
@@ -103,7 +118,7 @@ def run(
     from remat_search.spec import load_spec
 
     loaded = load_spec(spec, storage=storage)
-    with Progress(
+    with _notes(), Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=output.console, transient=False,
     ) as progress:
@@ -237,9 +252,10 @@ def confirm(
     from remat_search.confirm import confirm_study
 
     limit = _budget(budget) if budget is not None else None
-    report, confirmed = confirm_study(
-        _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
-    )
+    with _notes():
+        report, confirmed = confirm_study(
+            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
+        )
     if not confirmed:
         output.errors.print("only one plan that ran fits: there is nothing to order")
         return

@@ -51,15 +51,17 @@ from remat_search.store import (
 )
 from remat_search.study import (
     DEVICE_IDENTITY,
+    FIXED_SETTINGS,
     IDENTITY_FIELDS,
     SETTINGS_ATTR,
     SETTINGS_FIELDS,
+    changed_settings,
     finished_trials,
     resolve_budget,
     runner_for,
     spec_of_study,
 )
-from remat_search.units import format_bytes
+from remat_search.units import format_bytes, size_argument
 from remat_search.workload import build_workload
 
 logger = logging.getLogger("remat_search")
@@ -241,12 +243,27 @@ def _open_study(
         study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
+            stored = study.user_attrs.get(key)
+            shown = size_argument(stored) if key == "budget" and isinstance(stored, int) else json.dumps(stored)[:160]
             raise SpecError(
                 f"spec.{'target' if key == 'device' else key}: study {spec.study!r} already exists "
-                f"with another {key} ({json.dumps(study.user_attrs.get(key))[:160]}); "
-                "give this search a new study name"
+                f"with another {key} ({shown}); give this search a new study name"
             )
-    study.set_user_attr(SETTINGS_ATTR, spec.model_dump(mode="json", include=set(SETTINGS_FIELDS)))
+    settings = spec.model_dump(mode="json", include=set(SETTINGS_FIELDS))
+    changed = changed_settings(study.user_attrs.get(SETTINGS_ATTR, {}), settings)
+    for name in FIXED_SETTINGS:
+        if name in changed:
+            raise SpecError(
+                f"spec.{name}: study {spec.study!r} was measured with {name} = "
+                f"{json.dumps(changed[name][0])}, and its trials would not compare with ones measured with "
+                f"{json.dumps(changed[name][1])}; set it back, or give this search a new study name"
+            )
+    for name, (old, new) in changed.items():
+        logger.warning(
+            "note: spec.%s changed from %s to %s since study %r was last searched: allowed, its trials "
+            "stay comparable", name, json.dumps(old), json.dumps(new), spec.study,
+        )
+    study.set_user_attr(SETTINGS_ATTR, settings)
     # Not the same seed as last time: a resumed search must not replay its proposals.
     study.sampler = make_sampler(
         spec.sampler, space=spec.space, layers=layers, budget=budget, offset=len(study.get_trials(deepcopy=False))

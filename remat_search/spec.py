@@ -33,10 +33,27 @@ from remat_search.errors import SpecError
 from remat_search.plan import LayerPolicy
 from remat_search.units import Bytes, Seconds
 
-DEFAULT_STORAGE = "sqlite:///storage/studies.db"
 STORAGE_ENV = "REMAT_SEARCH_STORAGE"
+HOME_ENV = "REMAT_SEARCH_HOME"
 STUDY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 PRESET_KINDS = ("none", "full", "dots", "dots_no_batch")
+
+
+def storage_home() -> Path:
+    """Where studies and caches live by default, whatever the working directory:
+    ``$REMAT_SEARCH_HOME``; else the ``storage/`` folder of the source checkout remat-search
+    runs from (``pip install -e .``); else ``~/.local/share/remat-search``."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser().resolve()
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "storage").is_dir():
+        return checkout / "storage"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "remat-search"
+
+
+def default_storage() -> str:
+    """The default storage URL: ``studies.db`` in :func:`storage_home`."""
+    return f"sqlite:///{storage_home() / 'studies.db'}"
 
 
 class _Frozen(BaseModel):
@@ -262,7 +279,9 @@ class SearchSpec(_Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
 
     study: str
-    storage: str = DEFAULT_STORAGE
+    storage: str = Field(default_factory=default_storage)
+    """Database URL (``--storage`` and ``$REMAT_SEARCH_STORAGE`` win): default
+    :func:`default_storage`."""
     workload: WorkloadConfig
     space: SpaceConfig
     budget: Bytes | None = None
@@ -282,9 +301,10 @@ class SearchSpec(_Frozen):
     """Record a plan over budget without compiling it when the study's cost model (see
     ``planner``) predicts a peak above ``prescreen × budget`` even allowing for the largest
     over-prediction it has made on the study's mixed plans (null: compile every plan)."""
-    compilation_cache: str | None = "storage/jax-cache"
-    """Directory of JAX's persistent compilation cache for the worker (null: none): a plan
-    compiled before, in any study, loads in a moment instead of compiling again."""
+    compilation_cache: str | None = "jax-cache"
+    """Directory of JAX's persistent compilation cache for the worker, relative to
+    :func:`storage_home` unless absolute (null: none): a plan compiled before, in any study,
+    loads in a moment instead of compiling again."""
 
     @field_validator("study")
     @classmethod

@@ -21,7 +21,7 @@ import sqlalchemy
 import sqlalchemy.exc
 
 from remat_search.errors import StorageError
-from remat_search.spec import DEFAULT_STORAGE, STORAGE_ENV
+from remat_search.spec import STORAGE_ENV, default_storage, storage_home
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
@@ -40,7 +40,7 @@ TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "runni
 
 def resolve_url(url: str | None) -> str:
     """The storage URL to use: the one given, else ``$REMAT_SEARCH_STORAGE``, else the default."""
-    return url or os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+    return url or os.environ.get(STORAGE_ENV) or default_storage()
 
 
 def check_storage(url: str | None = None, *, create: bool = False) -> dict:
@@ -75,6 +75,8 @@ def open_storage(url: str | None = None, *, create: bool = False) -> optuna.stor
     """
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
+    if create and url == default_storage():
+        storage_home().mkdir(parents=True, exist_ok=True)
     with translate_errors(url):
         for attempt in range(3):
             try:
@@ -108,7 +110,7 @@ def translate_errors(url: str) -> Iterator[None]:
     except sqlalchemy.exc.ArgumentError:
         raise StorageError(
             f"storage: {shown!r} is not a database URL; expected e.g. "
-            f"{DEFAULT_STORAGE} or postgresql://user@host/db"
+            f"sqlite:///path/to/studies.db or postgresql://user@host/db"
         ) from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
@@ -129,7 +131,7 @@ def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:
     if not database or database == ":memory:":
         raise StorageError(f"storage: {shown!r} is in memory; studies must persist: name a file")
-    path = Path(database)
+    path = Path(database).resolve()
     if path.exists():
         if not path.is_file():
             raise StorageError(f"storage: {shown!r} points at {str(path)!r}, which is not a file")
@@ -138,6 +140,8 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
         raise StorageError(
             f"storage: no database at {str(path)!r} ({shown}); run a search first, or pass --storage"
         )
+    if path.parent == storage_home():
+        return  # the default home: made on first use (open_storage)
     if not path.parent.is_dir():
         raise StorageError(
             f"storage: directory {str(path.parent)!r} of {shown!r} does not exist; "
@@ -148,7 +152,16 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
 
 
 def _shown(url: str) -> str:
+    """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
     try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+        parsed = sqlalchemy.engine.make_url(url)
     except sqlalchemy.exc.ArgumentError:
         return url
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        parsed = parsed.set(database=str(Path(parsed.database).resolve()))
+    return parsed.render_as_string(hide_password=True)
+
+
+def shown_url(url: str | None) -> str:
+    """The storage URL that ``url`` resolves to (:func:`resolve_url`), as messages print it."""
+    return _shown(resolve_url(url))

@@ -7,7 +7,6 @@ The orchestration that the search, confirmation and the planner share, below all
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import optuna
@@ -15,7 +14,7 @@ from optuna.trial import TrialState
 
 from remat_search.errors import SpecError, StorageError
 from remat_search.runner import DeviceInfo, Runner
-from remat_search.spec import SearchSpec, parse_spec
+from remat_search.spec import SearchSpec, parse_spec, storage_home
 from remat_search.store import FAILURE_ATTR, INTERRUPTED
 from remat_search.units import format_bytes
 
@@ -23,8 +22,13 @@ from remat_search.units import format_bytes
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
-SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache")
+SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
 SETTINGS_ATTR = "settings"
+FIXED_SETTINGS = ("timing.anchor", "gradient_tolerance")
+"""Settings a resumed search may not change: ``timing.anchor`` decides what a trial's step time
+is (a ratio to the anchor in the study's anchor seconds, or seconds alone) and
+``gradient_tolerance`` which trials failed. The other settings change how well, or which,
+plans are measured next, never what a finished trial means: a resumed search may change them."""
 
 
 def runner_for(spec: SearchSpec) -> Runner:
@@ -32,7 +36,7 @@ def runner_for(spec: SearchSpec) -> Runner:
     return Runner(
         spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
         # JAX makes the directory on its first write: nothing is written for a bad spec.
-        compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
+        compilation_cache=str(storage_home() / spec.compilation_cache) if spec.compilation_cache else None,
     )
 
 
@@ -76,3 +80,18 @@ def finished_trials(study: optuna.Study) -> int:
     )
 
 
+def changed_settings(stored: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The settings (dotted names: ``timing.repeats``) whose stored value ``new`` changes.
+    A setting the stored study does not have (stored by an older remat-search) is not compared."""
+    old_flat, new_flat = _flatten(stored), _flatten(new)
+    return {k: (v, new_flat.get(k)) for k, v in sorted(old_flat.items()) if new_flat.get(k) != v}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

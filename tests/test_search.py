@@ -206,3 +206,31 @@ def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url
     report = remat_search.run(spec)  # the same process runs it again
     assert [t.status for t in report.trials] == ["interrupted", "failed", "failed"]
     assert [t.summary() for t in report.trials] == ["full×3", "dots×3", "full×3"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"timing": {**FAST_TIMING, "anchor": False}}, "spec.timing.anchor"),
+     ({"gradient_tolerance": 0.5}, "spec.gradient_tolerance")],
+)
+def test_resuming_with_a_change_that_makes_trials_incomparable_is_refused(finished, cli, change, field) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, _ = finished
+    db = Path(storage.removeprefix("sqlite:///"))
+    before = db.read_bytes()
+    result = cli("run", str(write_spec(spec_path.with_name("changed.yaml"), spec_dict(storage, trials=8, **change))))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and f"{field}: study 'tiny' was measured with" in result.stderr
+    assert db.read_bytes() == before
+
+
+def test_resuming_with_other_repeats_or_sampler_is_allowed_and_said(finished, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, report = finished
+    changed = spec_dict(storage, trials=8, timing={**FAST_TIMING, "repeats": 3}, sampler={"kind": "random", "seed": 0})
+    result = cli("run", str(write_spec(spec_path.with_name("changed.yaml"), changed)))
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: spec.")]
+    assert sorted(n.split()[1] for n in notes) == ["spec.sampler.kind", "spec.timing.repeats"]
+    assert all("allowed" in n for n in notes)
+    assert [t.number for t in remat_search.load_report("tiny", storage).trials] == [t.number for t in report.trials]
+    back = cli("run", str(spec_path))  # and back again: said again, still allowed
+    assert back.exit_code == 0 and "note: spec.timing.repeats changed from 3 to 2" in back.stderr
