@@ -14,6 +14,7 @@ from remat_search.confirm import Comparison, compare_times, confirm_study
 from remat_search.errors import (
     NoFeasiblePlan,
     RematSearchError,
+    RunError,
     SpecError,
     StorageError,
     WorkloadError,
@@ -38,6 +39,7 @@ __all__ = [
     "NoFeasiblePlan",
     "RematPlan",
     "RematSearchError",
+    "RunError",
     "SearchSpec",
     "SpecError",
     "StorageError",

@@ -129,20 +129,20 @@ def confirm_study(
     return the report and the plans of this session that fit, fastest first (none when
     fewer than two plans fit)."""
     opened = open_storage(storage)
+    study = load_study(study_name, opened)
     with translate_errors(opened.url):
-        study = load_study(study_name, opened)
         spec = spec_of_study(study, opened.url)
-        with runner_for(spec) as runner:
-            device = runner.describe()
-            if not device.executes:
-                raise SpecError(
-                    f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
-                    "there are no step times to confirm"
-                )
-            limit = resolve_budget(budget if budget is not None else spec.budget, device)
-            report = confirm(
-                study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+    with runner_for(spec) as runner:
+        device = runner.describe()
+        if not device.executes:
+            raise SpecError(
+                f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
+                "there are no step times to confirm"
             )
+        limit = resolve_budget(budget if budget is not None else spec.budget, device)
+        report = confirm(
+            study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+        )
     chosen = {t.number for t in candidates(report, limit, top, presets=presets)}
     confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
     if len(confirmed) < 2:

@@ -328,16 +328,16 @@ def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None,
     ``measure``, first measure the advised plan as one more trial of the study unless it was
     measured already."""
     opened = open_storage(storage)
+    study = load_study(study_name, opened)
+    if measure and budget > study.user_attrs.get("budget", budget):
+        raise SpecError(
+            f"--budget: {format_bytes(budget)} is above the study's budget of "
+            f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
+            "--measure times plans within it"
+        )
     with translate_errors(opened.url):
-        study = load_study(study_name, opened)
-        if measure and budget > study.user_attrs.get("budget", budget):
-            raise SpecError(
-                f"--budget: {format_bytes(budget)} is above the study's budget of "
-                f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
-                "--measure times plans within it"
-            )
         advice = advise(study, budget)
-        if measure and advice.measured is None:
-            report = measure_params(study, opened.url, advice.params)
-            advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
+    if measure and advice.measured is None:
+        report = measure_params(study, opened.url, advice.params)
+        advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
     return advice

@@ -119,13 +119,14 @@ def translate_errors(url: str) -> Iterator[None]:
 
 def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """The study ``name``; a missing one is a :class:`StorageError` listing those that exist."""
-    try:
-        return optuna.load_study(study_name=name, storage=storage)
-    except KeyError:
-        known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
-        raise StorageError(
-            f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
-        ) from None
+    with translate_errors(storage.url):
+        try:
+            return optuna.load_study(study_name=name, storage=storage)
+        except KeyError:
+            known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
+            raise StorageError(
+                f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
+            ) from None
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:
