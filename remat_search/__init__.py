@@ -20,8 +20,9 @@ from remat_search.errors import (
     WorkloadError,
 )
 from remat_search.measurement import Measurement, MemoryBreakdown
-from remat_search.plan import LayerPolicy, RematPlan, apply_layers, checkpoint_policy, scan_layers
+from remat_search.plan import RematPlan, apply_layers, scan_layers
 from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
+from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
 from remat_search.report import best_plan, list_studies, load_report, pareto_front
 from remat_search.results import StudyReport, TrialResult
 from remat_search.search import plan_for_budget, run
@@ -30,6 +31,7 @@ from remat_search.units import parse_bytes
 from remat_search.workload import Workload, build_workload
 
 __all__ = [
+    "POLICIES",
     "Advice",
     "Comparison",
     "CostModel",
@@ -37,6 +39,7 @@ __all__ = [
     "Measurement",
     "MemoryBreakdown",
     "NoFeasiblePlan",
+    "PolicyKind",
     "RematPlan",
     "RematSearchError",
     "RunError",
@@ -60,6 +63,7 @@ __all__ = [
     "pareto_front",
     "parse_bytes",
     "plan_for_budget",
+    "register_policy",
     "run",
     "scan_layers",
     "solve_front",

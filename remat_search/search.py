@@ -28,6 +28,7 @@ from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
 from remat_search.planner import Advice, advise, make_sampler, measured_trial, study_cost_model
+from remat_search.policy import POLICIES
 from remat_search.results import StudyReport, TrialResult, study_report
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
@@ -84,7 +85,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
     with runner_for(spec) as runner:
         device = runner.describe()
-        offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
+        offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
         if offload and device.platform == "cpu":
             raise SpecError(
                 f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "

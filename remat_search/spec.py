@@ -30,13 +30,12 @@ from pydantic import (
 )
 
 from remat_search.errors import SpecError
-from remat_search.plan import LayerPolicy
+from remat_search.policy import POLICIES, LayerPolicy
 from remat_search.units import Bytes, Seconds
 
 STORAGE_ENV = "REMAT_SEARCH_STORAGE"
 HOME_ENV = "REMAT_SEARCH_HOME"
 STUDY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-PRESET_KINDS = ("none", "full", "dots", "dots_no_batch")
 
 
 def storage_home() -> Path:
@@ -140,18 +139,22 @@ class PolicyChoice(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _from_yaml(cls, value: Any) -> Any:
+        bare = [k for k, p in POLICIES.items() if not p.takes_names]
+        named = [k for k, p in POLICIES.items() if p.takes_names]
         if isinstance(value, str):
-            if value not in PRESET_KINDS:
+            if value not in bare:
                 raise ValueError(
-                    f"unknown policy {value!r}; expected one of {', '.join(PRESET_KINDS)}, "
-                    "or {label: ..., names: [...]} or {label: ..., offload: [...]}"
+                    f"unknown policy {value!r}; expected one of {', '.join(bare)}, or "
+                    + " or ".join(f"{{label: ..., {k}: [...]}}" for k in named)
                 )
             return {"label": value, "policy": {"kind": value}}
         if isinstance(value, dict) and "policy" not in value:
             value = dict(value)
-            kinds = [k for k in ("names", "offload") if k in value]
+            kinds = [k for k in named if k in value]
             if len(kinds) != 1:
-                raise ValueError("a labelled choice needs exactly one of names: [...] or offload: [...]")
+                raise ValueError(
+                    "a labelled choice needs exactly one of " + " or ".join(f"{k}: [...]" for k in named)
+                )
             names = value.pop(kinds[0])
             if isinstance(names, str) or not isinstance(names, list):
                 raise ValueError(f"{kinds[0]} must be a list of tensor names, got {names!r}")
