@@ -14,21 +14,24 @@ from remat_search.confirm import Comparison, compare_times, confirm_study
 from remat_search.errors import (
     NoFeasiblePlan,
     RematSearchError,
+    RunError,
     SpecError,
     StorageError,
     WorkloadError,
 )
 from remat_search.measurement import Measurement, MemoryBreakdown
-from remat_search.plan import LayerPolicy, RematPlan, apply_layers, checkpoint_policy, scan_layers
-from remat_search.planner import Advice, CostModel, fit_cost_model, plan_for_budget, solve_front
-from remat_search.report import StudyReport, best_plan, list_studies, load_report, pareto_front
-from remat_search.search import run
+from remat_search.plan import RematPlan, apply_layers, scan_layers
+from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
+from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
+from remat_search.report import best_plan, list_studies, load_report, pareto_front
+from remat_search.results import StudyReport, TrialResult
+from remat_search.search import plan_for_budget, run
 from remat_search.spec import SearchSpec, load_spec
-from remat_search.store import TrialResult
 from remat_search.units import parse_bytes
 from remat_search.workload import Workload, build_workload
 
 __all__ = [
+    "POLICIES",
     "Advice",
     "Comparison",
     "CostModel",
@@ -36,8 +39,10 @@ __all__ = [
     "Measurement",
     "MemoryBreakdown",
     "NoFeasiblePlan",
+    "PolicyKind",
     "RematPlan",
     "RematSearchError",
+    "RunError",
     "SearchSpec",
     "SpecError",
     "StorageError",
@@ -58,6 +63,7 @@ __all__ = [
     "pareto_front",
     "parse_bytes",
     "plan_for_budget",
+    "register_policy",
     "run",
     "scan_layers",
     "solve_front",

@@ -8,12 +8,14 @@ to see tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -70,6 +72,19 @@ def _handle_errors(command: F) -> F:
             raise typer.Exit(EXIT_CODES.get(type(e), 2)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _notes() -> Iterator[None]:
+    """Print the library's notes and warnings (the ``remat_search`` logger) on stderr, one line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("remat_search")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def _budget(value: str) -> int:
@@ -132,7 +147,7 @@ def _search(loaded: Any) -> Any:
     """Run the search of ``loaded`` with a progress bar; return its report."""
     from remat_search.search import run as run_search
 
-    with Progress(
+    with _notes(), Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=output.console, transient=False,
     ) as progress:
@@ -222,7 +237,7 @@ def plan(
     each choice's cost, mixed plans correct it per layer) and solved exactly for the budget.
     A prediction is not a measurement: `best` only returns measured plans.
     """
-    from remat_search.planner import plan_for_budget
+    from remat_search.search import plan_for_budget
 
     advice = plan_for_budget(_study(study), _budget(budget), storage=storage, measure=measure)
     if as_json:
@@ -255,9 +270,10 @@ def confirm(
     from remat_search.confirm import confirm_study
 
     limit = _budget(budget) if budget is not None else None
-    report, confirmed = confirm_study(
-        _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
-    )
+    with _notes():
+        report, confirmed = confirm_study(
+            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
+        )
     if not confirmed:
         output.errors.print("only one plan that ran fits: there is nothing to order")
         return

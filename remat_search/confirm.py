@@ -20,17 +20,10 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.plan import RematPlan
-from remat_search.report import StudyReport, study_report
+from remat_search.results import Confirmed, StudyReport, TrialResult, load_confirmations, study_report
 from remat_search.runner import Runner
-from remat_search.store import (
-    CONFIRMATION_ATTR,
-    Confirmed,
-    TrialResult,
-    load_confirmations,
-    load_study,
-    open_storage,
-    translate_errors,
-)
+from remat_search.store import CONFIRMATION_ATTR, load_study, open_storage, translate_errors
+from remat_search.study import resolve_budget, runner_for, spec_of_study
 
 
 class Comparison(BaseModel):
@@ -135,23 +128,21 @@ def confirm_study(
     ``budget`` (default: the study's) on this machine, as its last search measured them;
     return the report and the plans of this session that fit, fastest first (none when
     fewer than two plans fit)."""
-    from remat_search.search import resolve_budget, runner_for, spec_of_study  # search ends by confirming
-
     opened = open_storage(storage)
+    study = load_study(study_name, opened)
     with translate_errors(opened.url):
-        study = load_study(study_name, opened)
         spec = spec_of_study(study, opened.url)
-        with runner_for(spec) as runner:
-            device = runner.describe()
-            if not device.executes:
-                raise SpecError(
-                    f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
-                    "there are no step times to confirm"
-                )
-            limit = resolve_budget(budget if budget is not None else spec.budget, device)
-            report = confirm(
-                study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+    with runner_for(spec) as runner:
+        device = runner.describe()
+        if not device.executes:
+            raise SpecError(
+                f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
+                "there are no step times to confirm"
             )
+        limit = resolve_budget(budget if budget is not None else spec.budget, device)
+        report = confirm(
+            study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+        )
     chosen = {t.number for t in candidates(report, limit, top, presets=presets)}
     confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
     if len(confirmed) < 2:

@@ -2,7 +2,8 @@
 
 Every error a user can cause is a :class:`RematSearchError`. Its message names the field
 or flag, repeats the bad value and says what was expected, on one line, so the CLI can
-print it as it is. The CLI maps each class to an exit code in one table (``cli.py``).
+print it as it is. The CLI maps each class to an exit code in one table (``cli.py``): 2 for
+bad input only, 1 for "nothing fits", 3 for a failure at run time.
 """
 
 from __future__ import annotations
@@ -26,3 +27,8 @@ class WorkloadError(RematSearchError):
 
 class NoFeasiblePlan(RematSearchError):
     """No measured plan fits the budget asked for (exit code 1)."""
+
+
+class RunError(RematSearchError):
+    """Something failed at run time, not in the input: a worker that died while re-timing, a
+    confirmation that could not finish (exit code 3). What was measured before it is kept."""

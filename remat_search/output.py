@@ -11,8 +11,8 @@ from rich.text import Text
 from remat_search.confirm import compare_times
 from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
-from remat_search.report import StudyReport, StudySummary
-from remat_search.store import TrialResult
+from remat_search.report import StudySummary
+from remat_search.results import StudyReport, TrialResult
 from remat_search.units import format_bytes, format_seconds
 
 console = Console()

@@ -1,10 +1,11 @@
 """A remat plan: which activations each layer saves for the backward pass.
 
 A :class:`RematPlan` is pure data — frozen, hashable, JSON-serialisable — so it can be
-stored in a study, printed, compared and used as a cache key. This module is also the one
-place where a policy becomes a ``jax.checkpoint`` policy (:func:`checkpoint_policy`), and
-where a plan is applied to a chain of layers: unrolled (:func:`apply_layers`, flat or nested)
-or scanned, one ``lax.scan`` per run of equal policies (:func:`scan_layers`).
+stored in a study, printed, compared and used as a cache key (each layer's
+:class:`~remat_search.policy.LayerPolicy` becomes a ``jax.checkpoint`` policy in
+``policy.py``). This module applies a plan to a chain of layers: unrolled
+(:func:`apply_layers`, flat or nested) or scanned, one ``lax.scan`` per run of equal policies
+(:func:`scan_layers`).
 """
 
 from __future__ import annotations
@@ -14,46 +15,14 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from remat_search.errors import SpecError
+from remat_search.policy import LayerPolicy, checkpoint_policy
 
-PolicyKind = Literal["none", "full", "dots", "dots_no_batch", "names", "offload"]
 Layout = Literal["flat", "nested"]
-NAMED_KINDS = ("names", "offload")
 F = TypeVar("F", bound=Callable[..., Any])
 X = TypeVar("X")
-
-
-class LayerPolicy(BaseModel):
-    """What one layer saves.
-
-    ``none`` applies no checkpoint (everything saved), ``full`` saves nothing and recomputes
-    the layer, ``dots`` saves matrix-multiply outputs, ``dots_no_batch`` those without batch
-    dimensions, ``names`` saves only the tensors named with ``checkpoint_name``, and
-    ``offload`` moves the named tensors to pinned host memory (GPU/TPU only).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: PolicyKind
-    names: tuple[str, ...] = ()
-
-    @field_validator("names")
-    @classmethod
-    def _canonical_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(sorted(set(names)))
-
-    @model_validator(mode="after")
-    def _names_match_kind(self) -> LayerPolicy:
-        if self.kind in NAMED_KINDS and not self.names:
-            raise ValueError(f"policy {self.kind!r} needs at least one tensor name")
-        if self.kind not in NAMED_KINDS and self.names:
-            raise ValueError(f"policy {self.kind!r} takes no tensor names, got {list(self.names)}")
-        return self
-
-    def __str__(self) -> str:
-        return f"{self.kind}({','.join(self.names)})" if self.names else self.kind
 
 
 class RematPlan(BaseModel):
@@ -71,7 +40,7 @@ class RematPlan(BaseModel):
     layout: Layout = "flat"
 
     @classmethod
-    def uniform(cls, policy: LayerPolicy | PolicyKind, layers: int) -> RematPlan:
+    def uniform(cls, policy: LayerPolicy | str, layers: int) -> RematPlan:
         """The plan that gives every one of ``layers`` layers the same policy."""
         if isinstance(policy, str):
             policy = LayerPolicy(kind=policy)
@@ -135,7 +104,7 @@ class RematPlan(BaseModel):
 
     def wrap(self, fn: F, layer: int, *, prevent_cse: bool = True) -> F:
         """Return ``fn`` checkpointed with the policy of ``layer`` (``fn`` itself for ``none``)."""
-        if self.layers[layer].kind == "none":
+        if not self.layers[layer].checkpoints:
             return fn
         import jax
 
@@ -143,7 +112,7 @@ class RematPlan(BaseModel):
 
     def remat_module(self, module_cls: type, layer: int, **remat_kwargs: Any) -> type:
         """Return a Flax linen module class wrapped with ``nn.remat`` for ``layer``."""
-        if self.layers[layer].kind == "none":
+        if not self.layers[layer].checkpoints:
             return module_cls
         import flax.linen as nn
 
@@ -218,7 +187,7 @@ def scan_layers(plan: RematPlan, body: Callable[[Any, X], X], stacked_params: An
             f"plan: has {len(plan.layers)} layers, the stacked parameters have leading axes {sorted(lengths, key=str)}"
         )
     for start, end, policy in segments(plan):
-        step = body if policy.kind == "none" else jax.checkpoint(
+        step = body if not policy.checkpoints else jax.checkpoint(
             body, policy=checkpoint_policy(policy), prevent_cse=False
         )
         params = stacked_params if end - start == len(plan.layers) else jax.tree.map(
@@ -237,29 +206,6 @@ def collapse_runs(items: Iterable[str]) -> str:
         else:
             runs.append([item, 1])
     return " ".join(f"{item}×{n}" if n > 1 else item for item, n in runs)
-
-
-def checkpoint_policy(policy: LayerPolicy) -> Callable[..., Any] | None:
-    """Translate a :class:`LayerPolicy` to a ``jax.checkpoint_policies`` function."""
-    import jax  # deferred: reading plans and reports needs no JAX
-
-    cp = jax.checkpoint_policies
-    if policy.kind == "none":
-        return None
-    if policy.kind == "full":
-        return cp.nothing_saveable
-    if policy.kind == "dots":
-        return cp.dots_saveable
-    if policy.kind == "dots_no_batch":
-        return cp.dots_with_no_batch_dims_saveable
-    if policy.kind == "names":
-        return cp.save_only_these_names(*policy.names)
-    return cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[],
-        names_which_can_be_offloaded=list(policy.names),
-        offload_src="device",
-        offload_dst="pinned_host",
-    )
 
 
 def _first_error(e: Exception) -> str:

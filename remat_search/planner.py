@@ -33,20 +33,12 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import NoFeasiblePlan, SpecError
+from remat_search.errors import NoFeasiblePlan
 from remat_search.plan import RematPlan, collapse_runs
-from remat_search.report import StudyReport, study_report
+from remat_search.results import StudyReport, TrialResult, study_report, trial_result
 from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
 from remat_search.spec import SamplerConfig, SpaceConfig
-from remat_search.store import (
-    LAYERS_ATTR,
-    PREDICTION_ATTR,
-    TrialResult,
-    load_study,
-    open_storage,
-    translate_errors,
-    trial_result,
-)
+from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR
 from remat_search.units import format_bytes
 
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
@@ -475,35 +467,14 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     plan = plan_from_params(space, layers, params)
     return Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
-        labels=layer_labels(space, layers, params), predicted=best, measured=_measured(report, plan),
+        labels=layer_labels(space, layers, params), predicted=best, measured=measured_trial(report, plan),
         observations=model.observations, margin=model.margin,
     )
 
 
-def _measured(report: StudyReport, plan: RematPlan) -> TrialResult | None:
+def measured_trial(report: StudyReport, plan: RematPlan) -> TrialResult | None:
     """The study's first trial that compiled ``plan``."""
     return next(
         (t for t in report.trials if t.plan == plan and t.status in ("measured", "over_budget") and t.reused_from is None),
         None,
     )
-
-
-def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
-    """:func:`advise` on a stored study; with ``measure``, first measure the advised plan as
-    one more trial of the study unless it was measured already."""
-    opened = open_storage(storage)
-    with translate_errors(opened.url):
-        study = load_study(study_name, opened)
-        if measure and budget > study.user_attrs.get("budget", budget):
-            raise SpecError(
-                f"--budget: {format_bytes(budget)} is above the study's budget of "
-                f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
-                "--measure times plans within it"
-            )
-        advice = advise(study, budget)
-        if measure and advice.measured is None:
-            from remat_search.search import measure_params  # the search samples with this module
-
-            report = measure_params(study, opened.url, advice.params)
-            advice = advice.model_copy(update={"measured": _measured(report, advice.plan)})
-    return advice

@@ -10,103 +10,15 @@ confirmed (re-timed) median where it has one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import NoFeasiblePlan, SpecError
-from remat_search.store import (
-    TrialResult,
-    load_confirmations,
-    load_study,
-    open_storage,
-    translate_errors,
-    trial_result,
-)
-from remat_search.units import format_bytes, parse_bytes
-
-
-class StudyReport(BaseModel):
-    """A study's trials and front, with what they were measured on."""
-
-    model_config = ConfigDict(frozen=True)
-
-    study: str
-    budget: int
-    device: dict[str, Any]
-    trials: tuple[TrialResult, ...]
-    front: tuple[TrialResult, ...]
-
-    def count(self, status: str) -> int:
-        return sum(1 for t in self.trials if t.status == status)
-
-    def timed(self) -> list[TrialResult]:
-        """Trials that fit and have a step time (measured, or estimated on compile-only
-        targets), each plan once (its first trial)."""
-        seen: set[str] = set()
-        out = []
-        for t in self.trials:
-            new = t.measurement is not None and t.measurement.plan_digest not in seen
-            if t.status == "measured" and t.reused_from is None and new:
-                seen.add(t.measurement.plan_digest)
-                out.append(t)
-        return out
-
-    def best(self, budget: int) -> TrialResult:
-        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`.
-
-        Plans rank by their search medians; where the fastest of them was confirmed (re-timed
-        interleaved with the others of its session), the confirmed plans that fit rank among
-        themselves by their confirmed medians instead. Medians of different sessions are never
-        compared.
-        """
-        fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
-        if fitting:
-            fastest = min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
-            confirmed = [t for t in fitting if t.confirmed is not None]
-            if fastest.confirmed is None:
-                return fastest
-            return min(confirmed, key=lambda t: (t.confirmed.median, t.peak_bytes, t.number))
-        peaks = [t for t in self.trials if t.peak_bytes is not None and t.measurement and t.measurement.compiled]
-        if not peaks:
-            raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
-        smallest = min(peaks, key=lambda t: t.peak_bytes)  # type: ignore[arg-type, return-value]
-        assert smallest.plan is not None and smallest.peak_bytes is not None
-        raise NoFeasiblePlan(
-            f"budget: no measured plan of study {self.study!r} fits {format_bytes(budget)}; the "
-            f"smallest peak measured is {format_bytes(smallest.peak_bytes)} "
-            f"(trial {smallest.number}: {smallest.summary()})"
-        )
-
-    def untimed_within(self, budget: int) -> list[TrialResult]:
-        """Plans that fit ``budget`` but were not timed: they exceeded the study's own budget."""
-        return [
-            t for t in self.trials
-            if t.status == "over_budget" and t.reused_from is None
-            and t.peak_bytes is not None and t.peak_bytes <= budget
-        ]
-
-
-def study_report(study: optuna.Study) -> StudyReport:
-    """Build the report of an open study."""
-    confirmed = load_confirmations(study)
-    trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
-    by_number = {t.number: t for t in trials}
-    front, seen = [], set()
-    for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):
-        result = by_number[t.number]
-        if result.plan is not None and result.plan.digest not in seen:
-            seen.add(result.plan.digest)
-            front.append(result)
-    return StudyReport(
-        study=study.study_name,
-        budget=int(study.user_attrs.get("budget", 0)),
-        device=study.user_attrs.get("device_info", {}),
-        trials=trials,
-        front=tuple(front),
-    )
+from remat_search.errors import SpecError
+from remat_search.results import StudyReport, TrialResult, study_report
+from remat_search.store import load_study, open_storage, translate_errors
+from remat_search.units import parse_bytes
 
 
 def load_report(study: str, storage: str | None = None) -> StudyReport:

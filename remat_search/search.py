@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import socket
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import optuna
 import psutil
@@ -26,14 +24,15 @@ from optuna.trial import TrialState
 
 from remat_search import cache
 from remat_search.confirm import confirm
-from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError
+from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
-from remat_search.planner import make_sampler, study_cost_model
-from remat_search.report import StudyReport, study_report
+from remat_search.planner import Advice, advise, make_sampler, measured_trial, study_cost_model
+from remat_search.policy import POLICIES
+from remat_search.results import StudyReport, TrialResult, study_report
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
-from remat_search.spec import SearchSpec, SpaceConfig, parse_spec
+from remat_search.spec import SearchSpec, SpaceConfig
 from remat_search.store import (
     CACHED_ATTR,
     FAILURE_ATTR,
@@ -46,24 +45,30 @@ from remat_search.store import (
     PLAN_ATTR,
     PREDICTION_ATTR,
     REUSED_ATTR,
-    TrialResult,
     check_storage,
+    load_study,
     open_storage,
     translate_errors,
 )
-from remat_search.units import format_bytes
+from remat_search.study import (
+    DEVICE_IDENTITY,
+    FIXED_SETTINGS,
+    IDENTITY_FIELDS,
+    SETTINGS_ATTR,
+    SETTINGS_FIELDS,
+    changed_settings,
+    finished_trials,
+    resolve_budget,
+    runner_for,
+    spec_of_study,
+)
+from remat_search.units import format_bytes, size_argument
 from remat_search.workload import build_workload
 
 logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
-# Fields a study is tied to: resuming with others would mix incomparable trials.
-IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
-DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 INITIALIZED_ATTR = "initialized"
-# How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
-SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache")
-SETTINGS_ATTR = "settings"
 ANCHOR_ATTR = "anchor_seconds"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
@@ -80,7 +85,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
     with runner_for(spec) as runner:
         device = runner.describe()
-        offload = [c.label for c in spec.space.choices if c.policy.kind == "offload"]
+        offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
         if offload and device.platform == "cpu":
             raise SpecError(
                 f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
@@ -93,9 +98,9 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
             study = _open_study(spec, budget, storage, device, workload.layers)
             _requeue_interrupted(study, n_params(spec.space, workload.layers))
             if on_progress:
-                on_progress(_finished(study), spec.trials, None, device)
+                on_progress(finished_trials(study), spec.trials, None, device)
             # Counted afresh each time: other processes may be searching the same study.
-            while (done := _finished(study)) < spec.trials:
+            while (done := finished_trials(study)) < spec.trials:
                 result = _run_trial(spec, budget, study, runner, workload.layers, storage.engine, device)
                 if on_progress:
                     on_progress(done + 1, spec.trials, result, device)
@@ -110,46 +115,6 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 except RematSearchError as e:  # the search's own results stand without it
                     logger.warning("confirmation skipped: %s", e)
             return study_report(study)
-
-
-def runner_for(spec: SearchSpec) -> Runner:
-    """The worker that measures ``spec``'s plans where and as the spec says."""
-    return Runner(
-        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
-        # JAX makes the directory on its first write: nothing is written for a bad spec.
-        compilation_cache=os.path.abspath(spec.compilation_cache) if spec.compilation_cache else None,
-    )
-
-
-def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> SearchSpec:
-    """The spec that searches ``study`` as its last search did (workload, space, budget,
-    target, mesh, timing), with ``overrides``; ``trials`` defaults to the finished count."""
-    attrs = study.user_attrs
-    if "space" not in attrs or "workload" not in attrs:
-        raise StorageError(f"study: {study.study_name!r} was not made by remat-search (it has no spec stored)")
-    data: dict[str, Any] = {k: attrs[k] for k in IDENTITY_FIELDS if attrs.get(k) is not None}
-    data.update(attrs.get(SETTINGS_ATTR, {}))
-    data.update(study=study.study_name, storage=storage, trials=max(1, _finished(study)))
-    data.update(overrides)
-    return parse_spec(data)
-
-
-def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
-    """The spec's budget, checked against the device's memory; that memory if none is given."""
-    limit = device.memory_limit
-    if budget is None:
-        if limit is None:
-            raise SpecError(
-                f"spec.budget: required here: {device.platform} reports no memory limit "
-                "(give one such as 200MiB or 16GiB)"
-            )
-        return limit
-    if limit is not None and budget > limit:
-        raise SpecError(
-            f"spec.budget: {format_bytes(budget)} is more than the {format_bytes(limit)} a "
-            f"{device.device_kind} device has for a program; leave budget out to use all of it"
-        )
-    return budget
 
 
 def _run_trial(
@@ -279,12 +244,27 @@ def _open_study(
         study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
+            stored = study.user_attrs.get(key)
+            shown = size_argument(stored) if key == "budget" and isinstance(stored, int) else json.dumps(stored)[:160]
             raise SpecError(
                 f"spec.{'target' if key == 'device' else key}: study {spec.study!r} already exists "
-                f"with another {key} ({json.dumps(study.user_attrs.get(key))[:160]}); "
-                "give this search a new study name"
+                f"with another {key} ({shown}); give this search a new study name"
             )
-    study.set_user_attr(SETTINGS_ATTR, spec.model_dump(mode="json", include=set(SETTINGS_FIELDS)))
+    settings = spec.model_dump(mode="json", include=set(SETTINGS_FIELDS))
+    changed = changed_settings(study.user_attrs.get(SETTINGS_ATTR, {}), settings)
+    for name in FIXED_SETTINGS:
+        if name in changed:
+            raise SpecError(
+                f"spec.{name}: study {spec.study!r} was measured with {name} = "
+                f"{json.dumps(changed[name][0])}, and its trials would not compare with ones measured with "
+                f"{json.dumps(changed[name][1])}; set it back, or give this search a new study name"
+            )
+    for name, (old, new) in changed.items():
+        logger.warning(
+            "note: spec.%s changed from %s to %s since study %r was last searched: allowed, its trials "
+            "stay comparable", name, json.dumps(old), json.dumps(new), spec.study,
+        )
+    study.set_user_attr(SETTINGS_ATTR, settings)
     # Not the same seed as last time: a resumed search must not replay its proposals.
     study.sampler = make_sampler(
         spec.sampler, space=spec.space, layers=layers, budget=budget, offset=len(study.get_trials(deepcopy=False))
@@ -334,20 +314,31 @@ def _plan_of(study: optuna.Study, number: int) -> str | None:
     return None
 
 
-def _finished(study: optuna.Study) -> int:
-    """Trials that count towards ``spec.trials``: complete, or failed by the runner."""
-    return sum(
-        1
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED
-    )
-
-
 def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) -> StudyReport:
     """Measure the plan of ``params`` as one more trial of ``study``, as its last search
     measured (the same worker, cache and budget); return the study's report. Plans the study
     had already queued run first."""
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-    spec = spec_of_study(study, storage, trials=_finished(study) + waiting + 1, confirm={"top": 0})
+    spec = spec_of_study(study, storage, trials=finished_trials(study) + waiting + 1, confirm={"top": 0})
     study.enqueue_trial(params)  # after the plans already queued, which run first
     return run(spec)
+
+
+def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
+    """The planner's advice for ``budget`` on a stored study (:func:`planner.advise`); with
+    ``measure``, first measure the advised plan as one more trial of the study unless it was
+    measured already."""
+    opened = open_storage(storage)
+    study = load_study(study_name, opened)
+    if measure and budget > study.user_attrs.get("budget", budget):
+        raise SpecError(
+            f"--budget: {format_bytes(budget)} is above the study's budget of "
+            f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
+            "--measure times plans within it"
+        )
+    with translate_errors(opened.url):
+        advice = advise(study, budget)
+    if measure and advice.measured is None:
+        report = measure_params(study, opened.url, advice.params)
+        advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
+    return advice

@@ -99,7 +99,7 @@ def preset_params(space: SpaceConfig, layers: int) -> list[dict[str, str]]:
     names = param_names(space, layers)
     layout = {LAYOUT_PARAM: "flat"} if space.nested else {}
     presets = [{**{name: c.label for name in names}, **layout} for c in space.choices]
-    none = next((c.label for c in space.choices if c.policy.kind == "none"), None)
+    none = next((c.label for c in space.choices if not c.policy.checkpoints), None)
     if space.nested and none is not None:
         presets.append({**{name: none for name in names}, LAYOUT_PARAM: "nested"})
     return presets

@@ -31,13 +31,29 @@ from pydantic import (
 )
 
 from remat_search.errors import SpecError
-from remat_search.plan import LayerPolicy
+from remat_search.policy import POLICIES, LayerPolicy
 from remat_search.units import Bytes, Seconds
 
-DEFAULT_STORAGE = "sqlite:///storage/studies.db"
 STORAGE_ENV = "REMAT_SEARCH_STORAGE"
+HOME_ENV = "REMAT_SEARCH_HOME"
 STUDY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-PRESET_KINDS = ("none", "full", "dots", "dots_no_batch")
+
+
+def storage_home() -> Path:
+    """Where studies and caches live by default, whatever the working directory:
+    ``$REMAT_SEARCH_HOME``; else the ``storage/`` folder of the source checkout remat-search
+    runs from (``pip install -e .``); else ``~/.local/share/remat-search``."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser().resolve()
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "storage").is_dir():
+        return checkout / "storage"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "remat-search"
+
+
+def default_storage() -> str:
+    """The default storage URL: ``studies.db`` in :func:`storage_home`."""
+    return f"sqlite:///{storage_home() / 'studies.db'}"
 
 
 class _Frozen(BaseModel):
@@ -124,18 +140,22 @@ class PolicyChoice(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _from_yaml(cls, value: Any) -> Any:
+        bare = [k for k, p in POLICIES.items() if not p.takes_names]
+        named = [k for k, p in POLICIES.items() if p.takes_names]
         if isinstance(value, str):
-            if value not in PRESET_KINDS:
+            if value not in bare:
                 raise ValueError(
-                    f"unknown policy {value!r}; expected one of {', '.join(PRESET_KINDS)}, "
-                    "or {label: ..., names: [...]} or {label: ..., offload: [...]}"
+                    f"unknown policy {value!r}; expected one of {', '.join(bare)}, or "
+                    + " or ".join(f"{{label: ..., {k}: [...]}}" for k in named)
                 )
             return {"label": value, "policy": {"kind": value}}
         if isinstance(value, dict) and "policy" not in value:
             value = dict(value)
-            kinds = [k for k in ("names", "offload") if k in value]
+            kinds = [k for k in named if k in value]
             if len(kinds) != 1:
-                raise ValueError("a labelled choice needs exactly one of names: [...] or offload: [...]")
+                raise ValueError(
+                    "a labelled choice needs exactly one of " + " or ".join(f"{k}: [...]" for k in named)
+                )
             names = value.pop(kinds[0])
             if isinstance(names, str) or not isinstance(names, list):
                 raise ValueError(f"{kinds[0]} must be a list of tensor names, got {names!r}")
@@ -263,7 +283,9 @@ class SearchSpec(_Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
 
     study: str
-    storage: str = DEFAULT_STORAGE
+    storage: str = Field(default_factory=default_storage)
+    """Database URL (``--storage`` and ``$REMAT_SEARCH_STORAGE`` win): default
+    :func:`default_storage`."""
     workload: WorkloadConfig
     space: SpaceConfig
     budget: Bytes | None = None
@@ -283,9 +305,10 @@ class SearchSpec(_Frozen):
     """Record a plan over budget without compiling it when the study's cost model (see
     ``planner``) predicts a peak above ``prescreen × budget`` even allowing for the largest
     over-prediction it has made on the study's mixed plans (null: compile every plan)."""
-    compilation_cache: str | None = "storage/jax-cache"
-    """Directory of JAX's persistent compilation cache for the worker (null: none): a plan
-    compiled before, in any study, loads in a moment instead of compiling again."""
+    compilation_cache: str | None = "jax-cache"
+    """Directory of JAX's persistent compilation cache for the worker, relative to
+    :func:`storage_home` unless absolute (null: none): a plan compiled before, in any study,
+    loads in a moment instead of compiling again."""
 
     @field_validator("study")
     @classmethod

@@ -3,15 +3,14 @@
 This module is the one place that opens storage and translates SQLAlchemy and optuna
 storage errors into :class:`StorageError`. SQLite databases run in WAL mode with a busy
 timeout so that several processes can share one file. A trial's plan and measurement are
-kept as JSON user attributes next to optuna's own values and constraints;
-:func:`trial_result` reads them back as a :class:`TrialResult`.
+kept as JSON user attributes next to optuna's own values and constraints (their names are
+here); ``results.py`` reads them back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +19,9 @@ from typing import Literal
 import optuna
 import sqlalchemy
 import sqlalchemy.exc
-from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import StorageError
-from remat_search.measurement import Measurement, relative_spread
-from remat_search.plan import RematPlan
-from remat_search.spec import DEFAULT_STORAGE, STORAGE_ENV
+from remat_search.spec import STORAGE_ENV, default_storage, storage_home
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
@@ -38,83 +33,14 @@ PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
 LAYERS_ATTR = "layers"
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
+CONFIRMATION_ATTR = "confirmation"
 
 TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
 
 
-CONFIRMATION_ATTR = "confirmation"
-
-
-class Confirmed(BaseModel):
-    """One plan's re-timed steps, from one interleaved session."""
-
-    model_config = ConfigDict(frozen=True)
-
-    times: tuple[float, ...]
-    rounds: int
-    session: str
-    """When the session ran (UTC, ISO 8601): plans confirmed together share it."""
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def spread(self) -> float:
-        """(max − min) / median of the re-timed steps."""
-        return relative_spread(self.times)
-
-
-def load_confirmations(study: optuna.Study) -> dict[int, Confirmed]:
-    """The confirmed times stored in ``study``, by trial number."""
-    stored = study.user_attrs.get(CONFIRMATION_ATTR, {})
-    return {int(number): Confirmed.model_validate(c) for number, c in stored.items()}
-
-
-class TrialResult(BaseModel):
-    """One trial of a study as reports show it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    number: int
-    status: TrialStatus
-    plan: RematPlan | None = None
-    labels: tuple[str, ...] = ()
-    """The spec's choice label of each layer (what the sampler picked)."""
-    measurement: Measurement | None = None
-    reused_from: int | None = None
-    cached_from: str | None = None
-    """``study#trial`` whose measurement of the same plan (same workload and device) this reuses."""
-    prediction: dict[str, float] | None = None
-    """The planner's prediction (peak, seconds) when it proposed this plan."""
-    confirmed: Confirmed | None = None
-    error: str | None = None
-
-    @property
-    def peak_bytes(self) -> int | None:
-        return self.measurement.peak_bytes if self.measurement else None
-
-    @property
-    def time_estimated(self) -> bool:
-        """Its step time is a roofline estimate (a compile-only target), not a measurement."""
-        return self.measurement is not None and self.measurement.time_source == "estimated"
-
-    def summary(self) -> str:
-        """The plan in a few words, by choice label: ``full×2 save_qkv×6``."""
-        if self.plan is None:
-            return "—"
-        return self.plan.summary(self.labels if len(self.labels) == len(self.plan.layers) else None)
-
-    @property
-    def step_seconds(self) -> float | None:
-        """Measured median step time, or the estimate where nothing ran."""
-        return self.measurement.step_seconds if self.measurement else None
-
-
-
 def resolve_url(url: str | None) -> str:
     """The storage URL to use: the one given, else ``$REMAT_SEARCH_STORAGE``, else the default."""
-    return url or os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+    return url or os.environ.get(STORAGE_ENV) or default_storage()
 
 
 def check_storage(url: str | None = None, *, create: bool = False) -> dict:
@@ -149,6 +75,8 @@ def open_storage(url: str | None = None, *, create: bool = False) -> optuna.stor
     """
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
+    if create and url == default_storage():
+        storage_home().mkdir(parents=True, exist_ok=True)
     with translate_errors(url):
         for attempt in range(3):
             try:
@@ -187,7 +115,7 @@ def translate_errors(url: str) -> Iterator[None]:
     except sqlalchemy.exc.ArgumentError:
         raise StorageError(
             f"storage: {shown!r} is not a database URL; expected e.g. "
-            f"{DEFAULT_STORAGE} or postgresql://user@host/db"
+            f"sqlite:///path/to/studies.db or postgresql://user@host/db"
         ) from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
@@ -237,55 +165,20 @@ def _missing_driver(url: str, error: ModuleNotFoundError) -> str | None:
 
 def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """The study ``name``; a missing one is a :class:`StorageError` listing those that exist."""
-    try:
-        return optuna.load_study(study_name=name, storage=storage)
-    except KeyError:
-        known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
-        raise StorageError(
-            f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
-        ) from None
-
-
-def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> TrialResult:
-    """Read a trial's plan, measurement and outcome from what the search stored (and its
-    confirmed times, which live on the study)."""
-    attrs = trial.user_attrs
-    plan = RematPlan.model_validate_json(attrs[PLAN_ATTR]) if PLAN_ATTR in attrs else None
-    measurement = (
-        Measurement.model_validate_json(attrs[MEASUREMENT_ATTR]) if MEASUREMENT_ATTR in attrs else None
-    )
-    if trial.state == TrialState.COMPLETE:
-        status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
-    elif trial.state == TrialState.FAIL:
-        status = "interrupted" if attrs.get(FAILURE_ATTR) == INTERRUPTED else "failed"
-    elif trial.state == TrialState.WAITING:
-        status = "waiting"
-    else:
-        status = "running"
-    error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
-    return TrialResult(
-        number=trial.number, status=status, plan=plan, measurement=measurement,
-        labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(trial.params, plan),
-        reused_from=attrs.get(REUSED_ATTR),
-        cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
-        error=error,
-    )
-
-
-def _param_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
-    """Per-layer labels of a trial stored before labels were (``policy`` or ``layer_NN`` params)."""
-    if plan is None:
-        return ()
-    if "policy" in params:
-        return (str(params["policy"]),) * len(plan.layers)
-    layers = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k.rpartition("_")[2]))
-    return tuple(str(params[k]) for k in layers) if len(layers) == len(plan.layers) else ()
+    with translate_errors(storage.url):
+        try:
+            return optuna.load_study(study_name=name, storage=storage)
+        except KeyError:
+            known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
+            raise StorageError(
+                f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
+            ) from None
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:
     if not database or database == ":memory:":
         raise StorageError(f"storage: {shown!r} is in memory; studies must persist: name a file")
-    path = Path(database)
+    path = Path(database).resolve()
     if path.exists():
         if not path.is_file():
             raise StorageError(f"storage: {shown!r} points at {str(path)!r}, which is not a file")
@@ -294,6 +187,8 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
         raise StorageError(
             f"storage: no database at {str(path)!r} ({shown}); run a search first, or pass --storage"
         )
+    if path.parent == storage_home():
+        return  # the default home: made on first use (open_storage)
     if not path.parent.is_dir():
         raise StorageError(
             f"storage: directory {str(path.parent)!r} of {shown!r} does not exist; "
@@ -304,7 +199,16 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
 
 
 def _shown(url: str) -> str:
+    """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
     try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+        parsed = sqlalchemy.engine.make_url(url)
     except sqlalchemy.exc.ArgumentError:
         return url
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        parsed = parsed.set(database=str(Path(parsed.database).resolve()))
+    return parsed.render_as_string(hide_password=True)
+
+
+def shown_url(url: str | None) -> str:
+    """The storage URL that ``url`` resolves to (:func:`resolve_url`), as messages print it."""
+    return _shown(resolve_url(url))

@@ -3,8 +3,10 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles: a donated
 training step (``step``) and the gradient function used to check a plan (``grad``).
-Built-in kinds are ``transformer`` and ``mlp``; a user workload is any subclass returned
-by the factory the spec names (``factory: "package.module:function"``).
+Built-in kinds are ``transformer`` and ``mlp``, found through :data:`BUILTIN_WORKLOADS`
+(their modules build on this one); a user workload is any subclass returned by the factory
+the spec names (``factory: "package.module:function"``). JAX is imported when a workload
+is built, not with this module: reading studies needs none.
 """
 
 from __future__ import annotations
@@ -15,18 +17,23 @@ import importlib
 import json
 import math
 from collections.abc import Callable
-from typing import Any
-
-import jax
-import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
-from remat_search.spec import FactoryConfig, MlpConfig, TransformerConfig, WorkloadConfig
+from remat_search.spec import FactoryConfig, WorkloadConfig
+
+if TYPE_CHECKING:
+    import jax
+    import optax
+    from jax.sharding import Mesh, NamedSharding
 
 PyTree = Any
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "transformer": "remat_search.transformer:TransformerWorkload",
+    "mlp": "remat_search.mlp:MlpWorkload",
+}
+"""The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 
 
 class Workload(abc.ABC):
@@ -55,6 +62,8 @@ class Workload(abc.ABC):
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer whose state the step carries (AdamW by default, as real runs use)."""
+        import optax
+
         return optax.adamw(1e-3)
 
     def inputs(self, seed: int = 0) -> tuple[PyTree, PyTree]:
@@ -62,6 +71,8 @@ class Workload(abc.ABC):
 
         Fresh arrays on every call (the step donates its state), from one compiled program.
         """
+        import jax
+
         if "_jitted_inputs" not in self.__dict__:
             self._jitted_inputs = jax.jit(self._inputs)
         return self._jitted_inputs(jax.random.key(seed))
@@ -69,6 +80,8 @@ class Workload(abc.ABC):
     def abstract_inputs(self, mesh: Mesh | None = None) -> tuple[PyTree, PyTree]:
         """Shapes and dtypes of :meth:`inputs` (with their shardings over ``mesh`` if given),
         for compiling without allocating."""
+        import jax
+
         shapes = self._input_shapes()
         if mesh is None:
             return shapes
@@ -83,6 +96,10 @@ class Workload(abc.ABC):
         dimension that the axis divides (replicated if none does); the batch's leading
         dimension is split over ``data`` and ``fsdp`` together.
         """
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
         state, batch = self._input_shapes()
         fsdp = mesh.shape.get("fsdp", 1)
         batch_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
@@ -108,11 +125,15 @@ class Workload(abc.ABC):
 
     def _input_shapes(self) -> tuple[PyTree, PyTree]:
         """``(state, batch)`` shapes, traced once per workload (every candidate needs them)."""
+        import jax
+
         if "_shapes" not in self.__dict__:
             self._shapes = jax.eval_shape(self._inputs, jax.random.key(0))
         return self._shapes
 
     def _inputs(self, key: jax.Array) -> tuple[PyTree, PyTree]:
+        import jax
+
         params_key, batch_key = jax.random.split(key)
         params = self.init_params(params_key)
         return (params, self.optimizer().init(params)), self.make_batch(batch_key)
@@ -124,6 +145,11 @@ class Workload(abc.ABC):
 
         Over a ``mesh`` the new state keeps the old one's shardings, so donation aliases it.
         """
+        import jax
+        import optax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
         loss_fn, opt = self.loss(plan), self.optimizer()
 
         def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
@@ -142,10 +168,14 @@ class Workload(abc.ABC):
 
     def grad(self, plan: RematPlan) -> Callable[[PyTree, PyTree], PyTree]:
         """The jitted gradient of the loss under ``plan``, to check it against no remat."""
+        import jax
+
         return jax.jit(jax.grad(self.loss(plan)))
 
     def fingerprint(self) -> str:
         """A hash of what the workload computes on: its name, layers, names and input shapes."""
+        import jax
+
         shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], self.abstract_inputs())
         text = json.dumps(
             [type(self).__qualname__, self.name, self.layers, sorted(self.tensor_names),
@@ -158,6 +188,8 @@ class Workload(abc.ABC):
 def program_fingerprint(workload: Workload) -> str:
     """A hash of the no-remat training step's jaxpr: it changes when the model's code or the
     optimizer does, even at the same shapes, so cached measurements of old code are not reused."""
+    import jax
+
     state, batch = workload.abstract_inputs()
     try:
         text = str(jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch))
@@ -168,16 +200,10 @@ def program_fingerprint(workload: Workload) -> str:
 
 def build_workload(config: WorkloadConfig) -> Workload:
     """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`."""
-    if isinstance(config, TransformerConfig):
-        from remat_search.transformer import TransformerWorkload
-
-        return TransformerWorkload(config)
-    if isinstance(config, MlpConfig):
-        from remat_search.mlp import MlpWorkload
-
-        return MlpWorkload(config)
-    assert isinstance(config, FactoryConfig)
-    return _from_factory(config)
+    if isinstance(config, FactoryConfig):
+        return _from_factory(config)
+    module_name, class_name = BUILTIN_WORKLOADS[config.kind].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)
 
 
 def _from_factory(config: FactoryConfig) -> Workload:

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 from remat_search import LayerPolicy, RematPlan, SpecError
-from remat_search.plan import checkpoint_policy
+from remat_search.policy import checkpoint_policy
 
 
 def _plan() -> RematPlan:

@@ -11,7 +11,7 @@ import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from remat_search import StorageError
-from remat_search.store import FAILURE_ATTR, INTERRUPTED, open_storage
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, PLAN_ATTR, open_storage
 
 from .conftest import run_process, spec_dict, write_spec
 
@@ -28,12 +28,13 @@ def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storag
     spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, trials=4))
     search = run_process("run", str(spec))
     deadline = time.monotonic() + 300
-    while True:  # wait until some trials are complete and one is being measured
+    while True:  # wait until some trials are complete and one has chosen its plan and is being measured
         assert search.poll() is None, search.communicate()[0]
         assert time.monotonic() < deadline, "the search made no progress"
         trials = _trials(storage_url)
         states = [t.state for t in trials]
-        if states.count(TrialState.COMPLETE) >= 2 and TrialState.RUNNING in states:
+        measuring = [t for t in trials if t.state == TrialState.RUNNING and PLAN_ATTR in t.user_attrs]
+        if states.count(TrialState.COMPLETE) >= 2 and measuring:
             break
         time.sleep(0.2)
     search.send_signal(signal.SIGKILL)
@@ -55,6 +56,6 @@ def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storag
         assert after[number].state == TrialState.COMPLETE and after[number].values == values
     interrupted = after[running[0].number]
     assert interrupted.state == TrialState.FAIL and interrupted.user_attrs[FAILURE_ATTR] == INTERRUPTED
-    if interrupted.params:  # its plan was queued again and measured after the restart
-        assert any(t.params == interrupted.params and t.state == TrialState.COMPLETE
-                   for t in after[interrupted.number + 1:])
+    assert interrupted.params  # it had chosen its plan, which was queued again and measured after the restart
+    assert any(t.params == interrupted.params and t.state == TrialState.COMPLETE
+               for t in after[interrupted.number + 1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 from pathlib import Path
@@ -170,15 +171,21 @@ def test_resuming_with_another_budget_is_refused(finished, cli) -> None:  # type
     assert db.read_bytes() == before
 
 
-def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str) -> None:
-    spec = parse_spec(spec_dict(
-        storage_url, workload={"kind": "mlp", "layers": 2, "width": 32, "hidden": 64, "batch": 16},
-        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, mesh={"data": 1},
-    ))
-    report = remat_search.run(spec)
-    assert report.device["mesh"] == {"data": 1}
-    assert [t.status for t in report.trials] == ["measured", "measured"]
-    assert all(t.measurement.time_source == "measured" for t in report.trials)
+def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two CPU devices (XLA's host device count, which the worker inherits): over a data mesh
+    each device holds half the batch, so its compiled arguments and activations shrink, and
+    the sharded step runs and passes the gradient check."""
+    common = {"workload": {"kind": "mlp", "layers": 2, "width": 32, "hidden": 256, "batch": 64},
+              "space": {"layout": "uniform", "choices": ["none", "full"]}, "trials": 2, "confirm": {"top": 0}}
+    single = remat_search.run(parse_spec(spec_dict(storage_url, study="single", **common)))
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
+    sharded = remat_search.run(parse_spec(spec_dict(storage_url, study="sharded", mesh={"data": 2}, **common)))
+    assert sharded.device["mesh"] == {"data": 2} and sharded.device["device_count"] == 2
+    for one, two in zip(single.trials, sharded.trials, strict=True):
+        assert two.status == "measured" and two.measurement.time_source == "measured", two.error
+        assert two.measurement.grad_rel_error is not None
+        assert two.measurement.memory.argument < one.measurement.memory.argument  # half the batch a device
+        assert two.measurement.memory.temp < one.measurement.memory.temp
 
 
 def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url: str) -> None:
@@ -206,3 +213,31 @@ def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url
     report = remat_search.run(spec)  # the same process runs it again
     assert [t.status for t in report.trials] == ["interrupted", "failed", "failed"]
     assert [t.summary() for t in report.trials] == ["full×3", "dots×3", "full×3"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"timing": {**FAST_TIMING, "anchor": False}}, "spec.timing.anchor"),
+     ({"gradient_tolerance": 0.5}, "spec.gradient_tolerance")],
+)
+def test_resuming_with_a_change_that_makes_trials_incomparable_is_refused(finished, cli, change, field) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, _ = finished
+    db = Path(storage.removeprefix("sqlite:///"))
+    before = db.read_bytes()
+    result = cli("run", str(write_spec(spec_path.with_name("changed.yaml"), spec_dict(storage, trials=8, **change))))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and f"{field}: study 'tiny' was measured with" in result.stderr
+    assert db.read_bytes() == before
+
+
+def test_resuming_with_other_repeats_or_sampler_is_allowed_and_said(finished, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, spec_path, report = finished
+    changed = spec_dict(storage, trials=8, timing={**FAST_TIMING, "repeats": 3}, sampler={"kind": "random", "seed": 0})
+    result = cli("run", str(write_spec(spec_path.with_name("changed.yaml"), changed)))
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: spec.")]
+    assert sorted(n.split()[1] for n in notes) == ["spec.sampler.kind", "spec.timing.repeats"]
+    assert all("allowed" in n for n in notes)
+    assert [t.number for t in remat_search.load_report("tiny", storage).trials] == [t.number for t in report.trials]
+    back = cli("run", str(spec_path))  # and back again: said again, still allowed
+    assert back.exit_code == 0 and "note: spec.timing.repeats changed from 3 to 2" in back.stderr

@@ -1,0 +1,218 @@
+"""A study's trials read back as results: each trial's plan, measurement, outcome and
+confirmed times (:class:`TrialResult`), and the study as a whole (:class:`StudyReport`).
+
+Pure reads of what the search stored; the search, the planner and confirmation build on them,
+and ``report.py`` answers users' queries with them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.errors import NoFeasiblePlan
+from remat_search.measurement import Measurement, relative_spread
+from remat_search.plan import RematPlan
+from remat_search.store import (
+    CACHED_ATTR,
+    CONFIRMATION_ATTR,
+    FAILURE_ATTR,
+    INTERRUPTED,
+    LABELS_ATTR,
+    MEASUREMENT_ATTR,
+    PLAN_ATTR,
+    PREDICTION_ATTR,
+    REUSED_ATTR,
+    TrialStatus,
+)
+from remat_search.units import format_bytes
+
+
+class Confirmed(BaseModel):
+    """One plan's re-timed steps, from one interleaved session."""
+
+    model_config = ConfigDict(frozen=True)
+
+    times: tuple[float, ...]
+    rounds: int
+    session: str
+    """When the session ran (UTC, ISO 8601): plans confirmed together share it."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> float:
+        """(max − min) / median of the re-timed steps."""
+        return relative_spread(self.times)
+
+
+def load_confirmations(study: optuna.Study) -> dict[int, Confirmed]:
+    """The confirmed times stored in ``study``, by trial number."""
+    stored = study.user_attrs.get(CONFIRMATION_ATTR, {})
+    return {int(number): Confirmed.model_validate(c) for number, c in stored.items()}
+
+
+class TrialResult(BaseModel):
+    """One trial of a study as reports show it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    status: TrialStatus
+    plan: RematPlan | None = None
+    labels: tuple[str, ...] = ()
+    """The spec's choice label of each layer (what the sampler picked)."""
+    measurement: Measurement | None = None
+    reused_from: int | None = None
+    cached_from: str | None = None
+    """``study#trial`` whose measurement of the same plan (same workload and device) this reuses."""
+    prediction: dict[str, float] | None = None
+    """The planner's prediction (peak, seconds) when it proposed this plan."""
+    confirmed: Confirmed | None = None
+    error: str | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.measurement.peak_bytes if self.measurement else None
+
+    @property
+    def time_estimated(self) -> bool:
+        """Its step time is a roofline estimate (a compile-only target), not a measurement."""
+        return self.measurement is not None and self.measurement.time_source == "estimated"
+
+    def summary(self) -> str:
+        """The plan in a few words, by choice label: ``full×2 save_qkv×6``."""
+        if self.plan is None:
+            return "—"
+        return self.plan.summary(self.labels if len(self.labels) == len(self.plan.layers) else None)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Measured median step time, or the estimate where nothing ran."""
+        return self.measurement.step_seconds if self.measurement else None
+
+
+
+def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> TrialResult:
+    """Read a trial's plan, measurement and outcome from what the search stored (and its
+    confirmed times, which live on the study)."""
+    attrs = trial.user_attrs
+    plan = RematPlan.model_validate_json(attrs[PLAN_ATTR]) if PLAN_ATTR in attrs else None
+    measurement = (
+        Measurement.model_validate_json(attrs[MEASUREMENT_ATTR]) if MEASUREMENT_ATTR in attrs else None
+    )
+    if trial.state == TrialState.COMPLETE:
+        status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
+    elif trial.state == TrialState.FAIL:
+        status = "interrupted" if attrs.get(FAILURE_ATTR) == INTERRUPTED else "failed"
+    elif trial.state == TrialState.WAITING:
+        status = "waiting"
+    else:
+        status = "running"
+    error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
+    return TrialResult(
+        number=trial.number, status=status, plan=plan, measurement=measurement,
+        labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(trial.params, plan),
+        reused_from=attrs.get(REUSED_ATTR),
+        cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
+        error=error,
+    )
+
+
+def _param_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
+    """Per-layer labels of a trial stored before labels were (``policy`` or ``layer_NN`` params)."""
+    if plan is None:
+        return ()
+    if "policy" in params:
+        return (str(params["policy"]),) * len(plan.layers)
+    layers = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k.rpartition("_")[2]))
+    return tuple(str(params[k]) for k in layers) if len(layers) == len(plan.layers) else ()
+
+
+class StudyReport(BaseModel):
+    """A study's trials and front, with what they were measured on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    study: str
+    budget: int
+    device: dict[str, Any]
+    trials: tuple[TrialResult, ...]
+    front: tuple[TrialResult, ...]
+
+    def count(self, status: str) -> int:
+        return sum(1 for t in self.trials if t.status == status)
+
+    def timed(self) -> list[TrialResult]:
+        """Trials that fit and have a step time (measured, or estimated on compile-only
+        targets), each plan once (its first trial)."""
+        seen: set[str] = set()
+        out = []
+        for t in self.trials:
+            new = t.measurement is not None and t.measurement.plan_digest not in seen
+            if t.status == "measured" and t.reused_from is None and new:
+                seen.add(t.measurement.plan_digest)
+                out.append(t)
+        return out
+
+    def best(self, budget: int) -> TrialResult:
+        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`.
+
+        Plans rank by their search medians; where the fastest of them was confirmed (re-timed
+        interleaved with the others of its session), the confirmed plans that fit rank among
+        themselves by their confirmed medians instead. Medians of different sessions are never
+        compared.
+        """
+        fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
+        if fitting:
+            fastest = min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
+            confirmed = [t for t in fitting if t.confirmed is not None]
+            if fastest.confirmed is None:
+                return fastest
+            return min(confirmed, key=lambda t: (t.confirmed.median, t.peak_bytes, t.number))
+        peaks = [t for t in self.trials if t.peak_bytes is not None and t.measurement and t.measurement.compiled]
+        if not peaks:
+            raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
+        smallest = min(peaks, key=lambda t: t.peak_bytes)  # type: ignore[arg-type, return-value]
+        assert smallest.plan is not None and smallest.peak_bytes is not None
+        raise NoFeasiblePlan(
+            f"budget: no measured plan of study {self.study!r} fits {format_bytes(budget)}; the "
+            f"smallest peak measured is {format_bytes(smallest.peak_bytes)} "
+            f"(trial {smallest.number}: {smallest.summary()})"
+        )
+
+    def untimed_within(self, budget: int) -> list[TrialResult]:
+        """Plans that fit ``budget`` but were not timed: they exceeded the study's own budget."""
+        return [
+            t for t in self.trials
+            if t.status == "over_budget" and t.reused_from is None
+            and t.peak_bytes is not None and t.peak_bytes <= budget
+        ]
+
+
+def study_report(study: optuna.Study) -> StudyReport:
+    """Build the report of an open study."""
+    confirmed = load_confirmations(study)
+    trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
+    by_number = {t.number: t for t in trials}
+    front, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):
+        result = by_number[t.number]
+        if result.plan is not None and result.plan.digest not in seen:
+            seen.add(result.plan.digest)
+            front.append(result)
+    return StudyReport(
+        study=study.study_name,
+        budget=int(study.user_attrs.get("budget", 0)),
+        device=study.user_attrs.get("device_info", {}),
+        trials=trials,
+        front=tuple(front),
+    )
+
+

@@ -1,0 +1,97 @@
+"""A study as its search left it: the spec that measures it again, its budget on a device,
+and the worker that measures its plans.
+
+The orchestration that the search, confirmation and the planner share, below all three:
+``confirm`` and ``plan --measure`` measure a stored study exactly as its last search did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from remat_search.errors import SpecError, StorageError
+from remat_search.runner import DeviceInfo, Runner
+from remat_search.spec import SearchSpec, parse_spec, storage_home
+from remat_search.store import FAILURE_ATTR, INTERRUPTED
+from remat_search.units import format_bytes
+
+# Fields a study is tied to: resuming with others would mix incomparable trials.
+IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
+DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
+# How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
+SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
+SETTINGS_ATTR = "settings"
+FIXED_SETTINGS = ("timing.anchor", "gradient_tolerance")
+"""Settings a resumed search may not change: ``timing.anchor`` decides what a trial's step time
+is (a ratio to the anchor in the study's anchor seconds, or seconds alone) and
+``gradient_tolerance`` which trials failed. The other settings change how well, or which,
+plans are measured next, never what a finished trial means: a resumed search may change them."""
+
+
+def runner_for(spec: SearchSpec) -> Runner:
+    """The worker that measures ``spec``'s plans where and as the spec says."""
+    return Runner(
+        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
+        # JAX makes the directory on its first write: nothing is written for a bad spec.
+        compilation_cache=str(storage_home() / spec.compilation_cache) if spec.compilation_cache else None,
+    )
+
+
+def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> SearchSpec:
+    """The spec that searches ``study`` as its last search did (workload, space, budget,
+    target, mesh, timing), with ``overrides``; ``trials`` defaults to the finished count."""
+    attrs = study.user_attrs
+    if "space" not in attrs or "workload" not in attrs:
+        raise StorageError(f"study: {study.study_name!r} was not made by remat-search (it has no spec stored)")
+    data: dict[str, Any] = {k: attrs[k] for k in IDENTITY_FIELDS if attrs.get(k) is not None}
+    data.update(attrs.get(SETTINGS_ATTR, {}))
+    data.update(study=study.study_name, storage=storage, trials=max(1, finished_trials(study)))
+    data.update(overrides)
+    return parse_spec(data)
+
+
+def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
+    """The spec's budget, checked against the device's memory; that memory if none is given."""
+    limit = device.memory_limit
+    if budget is None:
+        if limit is None:
+            raise SpecError(
+                f"spec.budget: required here: {device.platform} reports no memory limit "
+                "(give one such as 200MiB or 16GiB)"
+            )
+        return limit
+    if limit is not None and budget > limit:
+        raise SpecError(
+            f"spec.budget: {format_bytes(budget)} is more than the {format_bytes(limit)} a "
+            f"{device.device_kind} device has for a program; leave budget out to use all of it"
+        )
+    return budget
+
+
+def finished_trials(study: optuna.Study) -> int:
+    """Trials that count towards ``spec.trials``: complete, or failed by the runner."""
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED
+    )
+
+
+def changed_settings(stored: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The settings (dotted names: ``timing.repeats``) whose stored value ``new`` changes.
+    A setting the stored study does not have (stored by an older remat-search) is not compared."""
+    old_flat, new_flat = _flatten(stored), _flatten(new)
+    return {k: (v, new_flat.get(k)) for k, v in sorted(old_flat.items()) if new_flat.get(k) != v}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

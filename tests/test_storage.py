@@ -1,0 +1,52 @@
+"""Where studies live by default: the same place from any working directory, named in full."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from remat_search.spec import default_storage, storage_home
+
+from .conftest import REPO, spec_dict, write_spec
+
+
+def _cli(*args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "REMAT_SEARCH_HOME": str(home)}
+    env.pop("REMAT_SEARCH_STORAGE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "remat_search.cli", *args], cwd=cwd, env=env, text=True, capture_output=True,
+        timeout=300,
+    )
+
+
+def test_the_default_home_is_the_checkouts_storage_folder(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("REMAT_SEARCH_HOME", raising=False)
+    assert storage_home() == REPO / "storage"
+    assert default_storage() == f"sqlite:///{REPO / 'storage' / 'studies.db'}"
+
+
+def test_a_study_made_in_one_folder_is_found_from_another(tmp_path: Path) -> None:
+    home, here, there = tmp_path / "home", tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    spec = spec_dict("unused", study="anywhere", trials=1, confirm={"top": 0},
+                     workload={"kind": "mlp", "layers": 2, "width": 16, "hidden": 32, "batch": 8},
+                     space={"layout": "uniform", "choices": ["full"]})
+    del spec["storage"]  # the default
+    made = _cli("run", str(write_spec(here / "spec.yaml", spec)), cwd=here, home=home)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert (home / "studies.db").is_file() and not list(here.glob("**/*.db"))
+
+    listed = _cli("studies", cwd=there, home=home)
+    assert listed.returncode == 0 and "anywhere" in listed.stdout, listed.stdout + listed.stderr
+    missing = _cli("show", "--study", "elsewhere", cwd=there, home=home)
+    assert missing.returncode == 2
+    assert f"sqlite:///{home / 'studies.db'}" in missing.stderr  # the resolved path, in full
+
+
+def test_a_relative_storage_url_is_shown_resolved(tmp_path: Path) -> None:
+    result = _cli("studies", "--storage", "sqlite:///nowhere/studies.db", cwd=tmp_path, home=tmp_path / "home")
+    assert result.returncode == 2
+    assert str(tmp_path / "nowhere" / "studies.db") in result.stderr, result.stderr
