@@ -119,6 +119,8 @@ def run(
     from remat_search.spec import load_spec
 
     loaded = load_spec(spec, storage=storage)
+    if loaded.budget is not None:
+        output.console.print(output.budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
         report = _search(loaded)
     except KeyboardInterrupt:
@@ -162,6 +164,8 @@ def _search(loaded: Any) -> Any:
                     + (f", mesh {device.mesh}" if device.mesh else "")
                     + ("" if device.executes else " (compile only: step times are roofline estimates)")
                 )
+                if loaded.budget is None and device.memory_limit is not None:
+                    progress.console.print(output.budget_line(None, device.memory_limit), highlight=False)
             elif last.status == "failed":
                 progress.console.print(f"[red]trial {last.number} failed:[/] {escape(last.error.splitlines()[0])}")
             if last is not None and last.status == "measured" and last.step_seconds is not None:

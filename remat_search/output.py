@@ -13,7 +13,7 @@ from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudySummary
 from remat_search.results import StudyReport, TrialResult
-from remat_search.units import format_bytes, format_seconds
+from remat_search.units import format_bytes, format_seconds, size_argument
 
 console = Console()
 errors = Console(stderr=True)
@@ -113,6 +113,16 @@ def advice_table(advice: Advice) -> Group:
     if measured is not None:
         table.add_row("trial", "", f"{measured.number} ({measured.status})", "")
     return Group(header, table)
+
+
+def budget_line(written: str | None, budget: int) -> str:
+    """The budget as understood: ``budget 38MiB`` where the spec wrote an exact binary size,
+    else what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
+    if written is None:
+        return f"budget {format_bytes(budget)}: the device's memory (the spec gives no budget)"
+    if written.replace(" ", "") == size_argument(budget) and "iB" in written:
+        return f"budget {written}"
+    return f"budget {written} = {format_bytes(budget)}"
 
 
 def _gflop(flops: float) -> str:

@@ -20,9 +20,11 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    ModelWrapValidatorHandler,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     Tag,
     ValidationError,
     ValidationInfo,
@@ -309,6 +311,20 @@ class SearchSpec(_Frozen):
     """Directory of JAX's persistent compilation cache for the worker, relative to
     :func:`storage_home` unless absolute (null: none): a plan compiled before, in any study,
     loads in a moment instead of compiling again."""
+    _budget_text: str | None = PrivateAttr(default=None)
+
+    @property
+    def budget_text(self) -> str | None:
+        """The budget as the spec wrote it (``38mb``), to echo beside what it was read as."""
+        return self._budget_text
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_budget_text(cls, data: Any, handler: ModelWrapValidatorHandler[SearchSpec]) -> SearchSpec:
+        spec = handler(data)
+        if isinstance(data, dict) and data.get("budget") is not None:
+            spec._budget_text = str(data["budget"])
+        return spec
 
     @field_validator("study")
     @classmethod

@@ -60,12 +60,12 @@ def format_bytes(n: float) -> str:
 
 
 def size_argument(n: int) -> str:
-    """Write ``n`` bytes as a size :func:`parse_bytes` reads back exactly, in the largest binary
-    unit that divides it: ``40 * 2**20`` → ``40MiB``, ``1000`` → ``1000``. For commands we print."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
+    """Write ``n`` bytes as a size :func:`parse_bytes` reads back exactly, the shortest of a whole
+    number of binary units, decimal units or bytes (binary first): ``40 * 2**20`` → ``40MiB``,
+    ``38_000_000`` → ``38MB``, ``1001`` → ``1001``. For commands and messages we print."""
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+    exact = [f"{n // scale}{unit}" for unit, scale in units if n % scale == 0]
+    return min([*exact, str(n)], key=len)
 
 
 def format_seconds(s: float) -> str:

@@ -35,6 +35,7 @@ def test_format_bytes() -> None:
 
 
 @pytest.mark.parametrize(("n", "text"), [(40 * 2**20, "40MiB"), (14 * 2**30, "14GiB"), (3 * 2**10, "3KiB"),
-                                         (1000, "1000"), (40 * 2**20 + 1, "41943041")])
+                                         (1000, "1KB"), (38 * 10**6, "38MB"), (16 * 10**9, "16GB"),
+                                         (1001, "1001"), (40 * 2**20 + 1, "41943041")])
 def test_size_argument_is_exact_and_short(n: int, text: str) -> None:
     assert size_argument(n) == text and parse_bytes(text) == n
