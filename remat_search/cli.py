@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from remat_search import output
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError, WorkloadError
-from remat_search.spec import STORAGE_ENV, check_study_name
+from remat_search.spec import STORAGE_ENV, check_study_name, default_storage
 from remat_search.units import format_bytes, format_seconds, parse_bytes, size_argument
 
 EXIT_CODES: dict[type[RematSearchError], int] = {
@@ -46,16 +47,58 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help as written: rich markup swallowed [bracketed] text
+    context_settings={"max_content_width": 120},
 )
 
 StorageOption = Annotated[
     str | None,
-    typer.Option("--storage", envvar=STORAGE_ENV, show_default=False,
-                 help="Database URL of the studies [default: the spec's, else sqlite:///storage/studies.db]."),
+    typer.Option("--storage", metavar="URL", envvar=STORAGE_ENV, show_default=False,
+                 help=f"Database URL of the studies. Default: {default_storage()}"),
 ]
-StudyOption = Annotated[str, typer.Option("--study", "-s", help="Study name (the spec's `study`).")]
-BudgetOption = Annotated[str, typer.Option(help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")]
+RunStorageOption = Annotated[
+    str | None,
+    typer.Option("--storage", metavar="URL", envvar=STORAGE_ENV, show_default=False,
+                 help=f"Database URL of the studies. Default: the spec's storage, else {default_storage()}"),
+]
+StudyOption = Annotated[str, typer.Option("--study", "-s", metavar="NAME", help="Study name (the spec's study).")]
+BudgetOption = Annotated[
+    str, typer.Option(metavar="SIZE", help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")
+]
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Command(typer.core.TyperCommand):
+    """Arguments as users write them, by their metavar: ``run [OPTIONS] SPEC``, where typer
+    would print ``{SPEC}`` in the usage line and ``SPEC <path>`` in the list."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [piece.removeprefix("{").removesuffix("}") for piece in super().collect_usage_pieces(ctx)]
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        params = self.get_params(ctx)
+        arguments = [(p.metavar or p.name or "", getattr(p, "help", "") or "") for p in params
+                     if p.param_type_name == "argument"]
+        options = [record for p in params if p.param_type_name == "option" and (record := p.get_help_record(ctx))]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"remat-search {importlib.metadata.version('remat-search')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    )] = False,
+) -> None:
+    pass
 
 
 def _handle_errors(command: F) -> F:
@@ -101,11 +144,11 @@ def _study(value: str) -> str:
         raise SpecError(f"--study: {e}") from None
 
 
-@app.command()
+@app.command(cls=_Command)
 @_handle_errors
 def run(
-    spec: Annotated[Path, typer.Argument(help="Search spec (YAML), e.g. search_spaces/demo.yaml.")],
-    storage: StorageOption = None,
+    spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Search spec (YAML), e.g. search_spaces/demo.yaml.")],
+    storage: RunStorageOption = None,
 ) -> None:
     """Search the spec's space; running it again resumes an interrupted study.
 
@@ -182,7 +225,7 @@ def pareto(
     study: StudyOption,
     storage: StorageOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the front as JSON.")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Also write a PNG of time vs memory here.")] = None,
+    plot: Annotated[Path | None, typer.Option(metavar="FILE", help="Also write a PNG of time vs memory here.")] = None,
 ) -> None:
     """Show the Pareto front: no other plan is both faster and smaller."""
     from remat_search.report import load_report, plot_report
@@ -256,9 +299,13 @@ def plan(
 @_handle_errors
 def confirm(
     study: StudyOption,
-    budget: Annotated[str | None, typer.Option(help="Confirm plans that fit this [default: the study's budget].")] = None,
-    top: Annotated[int, typer.Option(min=2, help="How many of the fastest fitting plans to re-time.")] = 3,
-    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds (A B C A B C …) after the warm-up.")] = 10,
+    budget: Annotated[
+        str | None, typer.Option(metavar="SIZE", help="Confirm plans that fit this. Default: the study's budget.")
+    ] = None,
+    top: Annotated[int, typer.Option(min=2, metavar="N", help="How many of the fastest fitting plans to re-time.")] = 3,
+    rounds: Annotated[
+        int, typer.Option(min=1, metavar="N", help="Interleaved rounds (A B C A B C …) after the warm-up.")
+    ] = 10,
     presets: Annotated[
         bool, typer.Option(help="Also re-time every uniform plan (preset) that fits, as baselines.")
     ] = True,
@@ -297,7 +344,7 @@ def studies(storage: StorageOption = None) -> None:
 @_handle_errors
 def show(
     study: StudyOption,
-    trial: Annotated[int | None, typer.Option(help="Show this trial in full.")] = None,
+    trial: Annotated[int | None, typer.Option(metavar="N", help="Show this trial in full.")] = None,
     storage: StorageOption = None,
 ) -> None:
     """Every trial of a study, or one trial in full."""

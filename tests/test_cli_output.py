@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+
 import optuna
 import pytest
 from optuna.trial import TrialState
 
 from remat_search import output
 from remat_search.plan import RematPlan
-from remat_search.spec import parse_spec
+from remat_search.spec import default_storage, parse_spec
 from remat_search.store import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
 
 from .conftest import spec_dict
@@ -40,3 +43,31 @@ def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: s
 def test_the_budget_line_says_what_a_written_budget_means(written: object, line: str) -> None:
     spec = parse_spec(spec_dict("sqlite:///unused.db", budget=written))
     assert output.budget_line(spec.budget_text, spec.budget) == line
+
+
+COMMANDS = ("run", "pareto", "best", "plan", "confirm", "studies", "show")
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_prints_its_text_whole_and_no_type_tags(cli, monkeypatch: pytest.MonkeyPatch, command: str, columns: int) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    result = cli(*([command] if command else []), "--help")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Usage: ") and lines[0].endswith(
+        {"": "[OPTIONS] COMMAND [ARGS]...", "run": "run [OPTIONS] SPEC"}.get(command, f"{command} [OPTIONS]")
+    ), lines[0]
+    assert not re.search(r"<\w+>|\{\w+\}", result.stdout), result.stdout  # typer's <str>, <bool>, {spec}
+    assert max(map(len, lines)) <= columns
+    text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # unwrapped (a path may wrap at a hyphen)
+    if command:  # the default that rich markup swallowed as [default: ...]
+        default = ("the spec's storage, else " if command == "run" else "") + default_storage()
+        assert f"--storage URL Database URL of the studies. Default: {default} [env var: REMAT_SEARCH_STORAGE]" in text
+    else:
+        assert "--version Print the version and exit." in text
+
+
+def test_version(cli) -> None:  # type: ignore[no-untyped-def]
+    result = cli("--version")
+    assert result.exit_code == 0 and result.stdout == f"remat-search {importlib.metadata.version('remat-search')}\n"
