@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -230,6 +231,8 @@ def pareto(
     """Show the Pareto front: no other plan is both faster and smaller."""
     from remat_search.report import load_report, plot_report
 
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise SpecError("--plot: drawing needs matplotlib, which is not installed: pip install 'remat-search[plot]'")
     if plot is not None and not plot.parent.is_dir():
         raise SpecError(f"--plot: directory {str(plot.parent)!r} does not exist")
     report = load_report(_study(study), storage)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
+from pathlib import Path
 
 import optuna
 import pytest
@@ -38,7 +40,7 @@ def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: s
 
 @pytest.mark.parametrize(("written", "line"), [
     ("38mb", "budget 38mb = 36.2 MiB"), ("38MiB", "budget 38MiB"), ("1.6e10", "budget 1.6e10 = 14.9 GiB"),
-    (39845888, "budget 39845888 = 38.0 MiB"), ("16 GiB", "budget 16 GiB"),
+    (39845888, "budget 39845888 = 38.0 MiB"), ("16 GiB", "budget 16 GiB"), ("2.5MiB", "budget 2.5MiB"),
 ])
 def test_the_budget_line_says_what_a_written_budget_means(written: object, line: str) -> None:
     spec = parse_spec(spec_dict("sqlite:///unused.db", budget=written))
@@ -71,3 +73,14 @@ def test_help_prints_its_text_whole_and_no_type_tags(cli, monkeypatch: pytest.Mo
 def test_version(cli) -> None:  # type: ignore[no-untyped-def]
     result = cli("--version")
     assert result.exit_code == 0 and result.stdout == f"remat-search {importlib.metadata.version('remat-search')}\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(cli, tmp_path: Path, storage_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it fails
+    png = tmp_path / "front.png"
+    result = cli("pareto", "--study", "tiny", "--plot", str(png), "--storage", storage_url)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        "error: --plot: drawing needs matplotlib, which is not installed: pip install 'remat-search[plot]'\n"
+    )
+    assert not list(tmp_path.iterdir()), "nothing is written"
