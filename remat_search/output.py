@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from rich.console import Console, Group
@@ -13,7 +14,7 @@ from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudySummary
 from remat_search.results import StudyReport, TrialResult
-from remat_search.units import format_bytes, format_seconds, size_argument
+from remat_search.units import format_bytes, format_seconds
 
 console = Console()
 errors = Console(stderr=True)
@@ -24,16 +25,46 @@ _STATUS_STYLE = {
 }
 
 
-def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
-    """One row a trial: plan, peak, median step time with its spread, FLOPs, status."""
+FULL_WIDTH = 110
+"""Terminal columns below which tables leave out their low-value columns (spread, FLOPs, the
+peak as % of the budget, search ranks), so that nothing is cut: the plan wraps at spaces
+between labels, numbers and status words stay whole."""
+
+
+def _narrow() -> bool:
+    return console.width < FULL_WIDTH
+
+
+def _table(title: str, columns: dict[str, dict]) -> Table:
+    """A table with ``columns`` (name → ``add_column`` settings). Numbers never wrap; the plan
+    wraps at spaces, never narrower than its longest label run; other text wraps too."""
     table = Table(title=title, title_justify="left")
-    for column in ("trial", "plan", "peak", "step", "spread", "confirmed", "GFLOP", "status"):
-        table.add_column(column, justify="right" if column not in ("plan", "status") else "left")
+    for name, settings in columns.items():
+        table.add_column(name, **settings)
+    return table
+
+
+_NUMBER = {"justify": "right", "no_wrap": True}
+_PLAN = {"min_width": 15, "ratio": 1}
+_STATUS = {"min_width": len("over_budget")}
+
+
+def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
+    """One row a trial: plan, peak, median step time with its spread, FLOPs, status (on a narrow
+    terminal without the spread, FLOPs and peak as % of the budget)."""
+    narrow = _narrow()
+    columns = {
+        "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _NUMBER, "spread": _NUMBER,
+        "confirmed": _NUMBER, "GFLOP": _NUMBER, "status": _STATUS,
+    }
+    if narrow:
+        del columns["spread"], columns["GFLOP"]
+    table = _table(title, columns)
     for t in trials:
         m = t.measurement
         screened = m is not None and m.screened_bytes is not None
         peak = ("~" if screened else "") + (format_bytes(t.peak_bytes) if t.peak_bytes is not None else "—")
-        if budget and t.peak_bytes is not None:
+        if budget and t.peak_bytes is not None and not narrow:
             peak += f" ({t.peak_bytes / budget:.0%})"
         status = ("fits" if t.time_estimated else t.status) + (f" = #{t.reused_from}" if t.reused_from is not None else "")
         if screened:
@@ -42,34 +73,41 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             status += f" (cached: {t.cached_from})"
         if t.error and t.status == "failed":
             status += f": {t.error.splitlines()[0][:80]}"
-        table.add_row(
-            str(t.number),
-            t.summary(),
-            peak,
-            _seconds(t.step_seconds, estimated=t.time_estimated),
-            f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
-            _confirmed(t),
-            _gflop(m.flops) if m and m.flops is not None else "—",
-            Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
-        )
+        cells = {
+            "trial": str(t.number),
+            "plan": t.summary(),
+            "peak": peak,
+            "step": _seconds(t.step_seconds, estimated=t.time_estimated),
+            "spread": f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
+            "confirmed": _confirmed(t, spread=not narrow),
+            "GFLOP": _gflop(m.flops) if m and m.flops is not None else "—",
+            "status": Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
-def _confirmed(t: TrialResult) -> str:
+def _confirmed(t: TrialResult, *, spread: bool = True) -> str:
     c = t.confirmed
-    return f"{format_seconds(c.median)} ±{c.spread / 2:.0%}" if c else "—"
+    if c is None:
+        return "—"
+    return format_seconds(c.median) + (f" ±{c.spread / 2:.0%}" if spread else "")
 
 
 def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     """The confirmed plans, fastest first, beside their search medians and ranks, each with
-    how much slower than the fastest it is (paired by round, with a 95% interval)."""
-    table = Table(
-        title=f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", title_justify="left"
-    )
-    columns = ("rank", "trial", "plan", "peak", "confirmed median", "spread", "vs fastest (95%)", "search median",
-               "search rank")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "plan" else "right")
+    how much slower than the fastest it is (paired by round, with a 95% interval). On a narrow
+    terminal: trial, plan, peak, confirmed median and the comparison only."""
+    narrow = _narrow()
+    columns = {
+        "rank": _NUMBER, "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "confirmed median": _NUMBER,
+        "spread": _NUMBER, "vs fastest (95%)": {"justify": "right"}, "search median": _NUMBER,
+        "search rank": _NUMBER,
+    }
+    if narrow:
+        for name in ("rank", "spread", "search median", "search rank"):
+            del columns[name]
+    table = _table(f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", columns)
     by_search = sorted(confirmed, key=lambda t: (t.step_seconds, t.number))
     fastest, unresolved = confirmed[0].confirmed, False
     for rank, t in enumerate(confirmed, 1):
@@ -79,11 +117,14 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
             c = compare_times(t.confirmed.times, fastest.times)
             versus = f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%}…{c.high - 1:+.1%})" + ("" if c.resolved else " ≈")
             unresolved |= not c.resolved
-        table.add_row(
-            str(rank), str(t.number), t.summary(), format_bytes(t.peak_bytes) if t.peak_bytes else "—",
-            format_seconds(t.confirmed.median), f"±{t.confirmed.spread / 2:.0%}", versus,
-            format_seconds(t.step_seconds) if t.step_seconds else "—", str(by_search.index(t) + 1),
-        )
+        cells = {
+            "rank": str(rank), "trial": str(t.number), "plan": t.summary(),
+            "peak": format_bytes(t.peak_bytes) if t.peak_bytes else "—",
+            "confirmed median": format_seconds(t.confirmed.median), "spread": f"±{t.confirmed.spread / 2:.0%}",
+            "vs fastest (95%)": versus, "search median": format_seconds(t.step_seconds) if t.step_seconds else "—",
+            "search rank": str(by_search.index(t) + 1),
+        }
+        table.add_row(*(cells[c] for c in columns))
     if unresolved:
         table.caption = (
             "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference "
@@ -116,11 +157,11 @@ def advice_table(advice: Advice) -> Group:
 
 
 def budget_line(written: str | None, budget: int) -> str:
-    """The budget as understood: ``budget 38MiB`` where the spec wrote an exact binary size,
-    else what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
+    """The budget as understood: ``budget 38MiB`` where the spec wrote it in binary units, else
+    what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
     if written is None:
         return f"budget {format_bytes(budget)}: the device's memory (the spec gives no budget)"
-    if written.replace(" ", "") == size_argument(budget) and "iB" in written:
+    if re.search(r"\d\s*[KMGT]iB$", written.strip(), re.IGNORECASE):
         return f"budget {written}"
     return f"budget {written} = {format_bytes(budget)}"
 
@@ -143,15 +184,26 @@ def front_table(report: StudyReport) -> Table:
 
 
 def studies_table(summaries: Iterable[StudySummary]) -> Table:
-    table = Table(title="Studies", title_justify="left")
-    for column in ("study", "device", "budget", "complete", "failed", "running", "fastest feasible"):
-        table.add_column(column)
+    """One row a study (on a narrow terminal its trial counts in one column)."""
+    narrow = _narrow()
+    columns = {
+        "study": {"overflow": "fold", "ratio": 1}, "device": {}, "budget": _NUMBER,
+        "complete": _NUMBER, "failed": _NUMBER, "running": _NUMBER, "trials": {},
+        "fastest feasible": _NUMBER,
+    }
+    for name in ("complete", "failed", "running") if narrow else ("trials",):
+        del columns[name]
+    table = _table("Studies", columns)
     for s in summaries:
-        table.add_row(
-            s.study, s.device, format_bytes(s.budget) if s.budget else "—",
-            str(s.complete), str(s.failed), str(s.running),
-            _seconds(s.fastest_seconds, estimated=s.estimated),
-        )
+        cells = {
+            "study": s.study, "device": s.device, "budget": format_bytes(s.budget) if s.budget else "—",
+            "complete": str(s.complete), "failed": str(s.failed), "running": str(s.running),
+            "trials": f"{s.complete} complete" + "".join(
+                f", {n} {what}" for n, what in ((s.failed, "failed"), (s.running, "running")) if n
+            ),
+            "fastest feasible": _seconds(s.fastest_seconds, estimated=s.estimated),
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import run_process, spec_dict, write_spec
+from .conftest import TINY_TRANSFORMER, run_process, spec_dict, write_spec
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,10 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """The output (stdout and stderr, a pipe: not a terminal) of one search of a tiny spec with
     a budget in decimal units, and the spec."""
     folder = tmp_path_factory.mktemp("run")
-    spec = write_spec(folder / "spec.yaml", spec_dict(f"sqlite:///{folder / 'studies.db'}", trials=2, budget="1gb"))
+    spec = write_spec(folder / "spec.yaml", spec_dict(
+        f"sqlite:///{folder / 'studies.db'}", budget="1gb", trials=6, workload={**TINY_TRANSFORMER, "layers": 4},
+        sampler={"kind": "random", "seed": 0},  # after the 4 presets, 2 mixed plans: long summaries
+    ))
     search = run_process("run", str(spec))
     log = search.communicate(timeout=300)[0]
     assert search.returncode == 0, log
@@ -75,3 +79,32 @@ def test_another_budget_for_the_study_is_refused_in_the_units_it_was_written(  #
         "error: spec.budget: study 'tiny' already exists with another budget (1GB); give this search a new "
         "study name\n"
     )
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_show_fits_the_terminal_and_cuts_no_cell(
+    tiny_search: tuple[str, Path], columns: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 80 columns the low-value columns go and the plan wraps between labels; at 200 all show."""
+    spec = yaml.safe_load(tiny_search[1].read_text())
+    monkeypatch.setenv("COLUMNS", str(columns))  # the process's terminal width
+    show = run_process("show", "--study", "tiny", "--storage", spec["storage"])
+    out = show.communicate(timeout=60)[0]
+    assert show.returncode == 0, out
+    lines = out.splitlines()
+    assert "…" not in out and max(map(len, lines)) <= columns, out
+    header = next(line for line in lines if "┃ trial" in line)
+    assert ("spread" in header and "GFLOP" in header) == (columns == 200), header
+    rows: dict[int, list[list[str]]] = {}  # trial → its lines' cells
+    for line in lines:
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if cells and cells[0].isdigit():
+            rows[int(cells[0])] = []
+        if cells and rows:
+            rows[max(rows)].append(cells)
+    assert sorted(rows) == list(range(6))
+    for number, row in rows.items():
+        plan = " ".join(cells[1] for cells in row).split()
+        assert all(re.fullmatch(r"(none|full|dots|save_attn)(×\d)?", label) for label in plan), (number, plan)
+        assert row[0][-1] in ("measured", "over_budget"), row  # the status word, whole
+        assert len(row) <= (3 if columns == 80 else 1), row  # wrapped between labels, not one label a line
