@@ -93,9 +93,11 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
 
 def advice_table(advice: Advice) -> Group:
     """The planner's plan for a budget: predicted vs measured peak and step time."""
+    solve = "exact" if advice.thinned_to is None else f"approximate (front thinned to {advice.thinned_to:,} states)"
     header = Text(
         f"Planned for {format_bytes(advice.budget)} from {advice.observations} measured plans of "
-        f"{advice.study!r} (calibration margin {advice.margin:.1%}):\n  {advice.plan.summary(advice.labels)}"
+        f"{advice.study!r} (calibration margin {advice.margin:.1%}; solve {solve}):\n"
+        f"  {advice.plan.summary(advice.labels)}"
     )
     table = Table()
     for column in ("", "predicted", "measured", "error"):

@@ -1,4 +1,4 @@
-"""The planner: a per-layer cost model fitted to a study's measurements, solved exactly.
+"""The planner: a per-layer cost model fitted to a study's measurements, solved for its Pareto front.
 
 Every measured plan teaches the model what each choice costs at each position. Peak
 memory and step time are modelled as a base (the plan of the first choice everywhere,
@@ -15,8 +15,9 @@ or the whole stack, whichever the space's parameters are:
 * every other measurement corrects the prior (ridge regression towards it), which learns
   what the prior gets wrong, e.g. that early layers' residuals live longest.
 
-:func:`solve_front` then finds the exact Pareto front of predicted (peak, time) over all
-plans by dynamic programming over units (a multiple-choice knapsack), and
+:func:`solve_front` then finds the Pareto front of predicted (peak, time) over all plans by
+dynamic programming over units (a multiple-choice knapsack): exact unless the front of partial
+plans outgrows :data:`MAX_STATES`, when it is thinned and says so (:attr:`Front.thinned_to`); and
 :class:`PlannerSampler` proposes its best plan for the budget and for a spread of smaller
 budgets, handing over to TPE when the model has nothing new to propose. Predictions only
 choose what to measure: every proposal is compiled and measured like any other trial.
@@ -76,6 +77,16 @@ class Prediction(BaseModel):
     seconds: float
 
 
+class PredictedFront(BaseModel):
+    """The predicted Pareto front, least memory first, and whether the solve was exact (see
+    :attr:`Front.thinned_to`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    plans: tuple[Prediction, ...]
+    thinned_to: int | None = None
+
+
 class CostModel(BaseModel):
     """Base + per-(unit, choice) deltas for peak bytes and step seconds (see the module doc)."""
 
@@ -119,22 +130,33 @@ class CostModel(BaseModel):
             return None
         return prediction if prediction.peak / (1 + self.overshoot) > factor * budget else None
 
+    def solve(self, cap: float | None = None) -> PredictedFront:
+        """The predicted Pareto front (only peaks ≤ ``cap`` if given), and whether it is exact."""
+        solved = solve_front(self.peak, self.seconds, cap=None if cap is None else cap - self.base_peak)
+        return PredictedFront(
+            plans=tuple(
+                Prediction(
+                    choices=tuple(self.labels[k] for k in ks),
+                    peak=self.base_peak + m, seconds=self.base_seconds + t,
+                )
+                for m, t, ks in solved.points()
+            ),
+            thinned_to=solved.thinned_to,
+        )
+
     def front(self, cap: float | None = None) -> list[Prediction]:
         """The predicted Pareto front, least memory first (only peaks ≤ ``cap`` if given)."""
-        states = solve_front(self.peak, self.seconds, cap=None if cap is None else cap - self.base_peak)
-        return [
-            Prediction(
-                choices=tuple(self.labels[k] for k in ks),
-                peak=self.base_peak + m, seconds=self.base_seconds + t,
-            )
-            for m, t, ks in states
-        ]
+        return list(self.solve(cap).plans)
+
+    def fitting(self, budget: float) -> PredictedFront:
+        """The predicted front of the plans that fit ``budget`` with the model's calibration margin."""
+        return self.solve(cap=budget / (1 + self.margin))
 
     def best(self, budget: float) -> Prediction | None:
         """The fastest plan predicted to fit ``budget`` with the model's calibration margin;
         None if none is predicted to."""
-        front = self.front(cap=budget / (1 + self.margin))
-        return front[-1] if front else None
+        plans = self.fitting(budget).plans
+        return plans[-1] if plans else None
 
 
 def fit_cost_model(
@@ -238,23 +260,51 @@ def _ridge(
     return deltas.reshape(n_units, n_labels), values - loo_residuals(lam)
 
 
+class Front(BaseModel):
+    """A Pareto front of summed (memory, seconds) from :func:`solve_front`: one state per
+    plan, memory ascending and seconds descending, and whether it is exact."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    memory: np.ndarray
+    seconds: np.ndarray
+    choices: np.ndarray
+    """``[state, unit]``: the choice index of each unit in each state's plan."""
+    thinned_to: int | None = None
+    """None where the front is exact: no unit's front of partial plans outgrew ``max_states``,
+    so only dominated plans were dropped and the optimum for any cap is on it. Else the
+    ``max_states`` it was thinned to: an optimum may have been merged away."""
+
+    @property
+    def exact(self) -> bool:
+        return self.thinned_to is None
+
+    def points(self) -> list[tuple[float, float, tuple[int, ...]]]:
+        """``(memory, seconds, choices)`` of each state, memory ascending."""
+        return [
+            (float(a), float(b), tuple(int(k) for k in ks))
+            for a, b, ks in zip(self.memory, self.seconds, self.choices, strict=True)
+        ]
+
+
 def solve_front(
     memory: np.ndarray, seconds: np.ndarray, *, cap: float | None = None, max_states: int = MAX_STATES
-) -> list[tuple[float, float, tuple[int, ...]]]:
+) -> Front:
     """The Pareto front of ``Σ memory[u, k_u]`` vs ``Σ seconds[u, k_u]`` over all choices ``k``.
 
     Dynamic programming over units: after each unit only the non-dominated partial plans
     are kept, so the result is exact (the optimum for any cap is on it) unless the front
-    grows past ``max_states``, when states within 1/max_states of the memory range merge.
+    grows past ``max_states``, when states within 1/max_states of the memory range merge
+    and the result says so (:attr:`Front.thinned_to`).
     Partial plans are kept as back-pointers (parent state, choice) and read back at the end,
     so a 96-layer stack costs arrays, not tuples, per unit.
-    Returns ``(memory, seconds, choices)`` with memory ascending and seconds descending.
     """
     n_units, n_choices = memory.shape
     lowest_rest = np.concatenate([np.cumsum(memory.min(axis=1)[::-1])[::-1], [0.0]])
     m, t = np.zeros(1), np.zeros(1)
     parents: list[np.ndarray] = []
     choices: list[np.ndarray] = []
+    thinned = False
     for u in range(n_units):
         grown_m = (m[:, None] + memory[u][None, :]).reshape(-1)
         grown_t = (t[:, None] + seconds[u][None, :]).reshape(-1)
@@ -264,6 +314,7 @@ def solve_front(
         index = index[_pareto(grown_m[index], grown_t[index])]
         if index.size > max_states:
             index = index[_thin(grown_m[index], max_states)]
+            thinned = True
         m, t = grown_m[index], grown_t[index]
         parents.append(index // n_choices)
         choices.append(index % n_choices)
@@ -272,7 +323,7 @@ def solve_front(
     for u in reversed(range(n_units)):
         plans[:, u] = choices[u][state]
         state = parents[u][state]
-    return [(float(a), float(b), tuple(int(k) for k in ks)) for a, b, ks in zip(m, t, plans, strict=True)]
+    return Front(memory=m, seconds=t, choices=plans, thinned_to=max_states if thinned else None)
 
 
 def _pareto(m: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -433,6 +484,9 @@ class Advice(BaseModel):
     """How many distinct measured plans the model was fitted to."""
     margin: float
     """The model's calibration margin (see :attr:`CostModel.margin`)."""
+    thinned_to: int | None = None
+    """None where the plan is the exact optimum of the model; else the front was thinned to
+    this many states (see :attr:`Front.thinned_to`) and a faster predicted plan may exist."""
 
 
 def advise(study: optuna.Study, budget: int) -> Advice:
@@ -453,7 +507,8 @@ def advise(study: optuna.Study, budget: int) -> Advice:
             f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
             "plans of two choices compiled and one plan timed); run its search first"
         )
-    best = model.best(budget)
+    fitting = model.fitting(budget)
+    best = fitting.plans[-1] if fitting.plans else None
     if best is None:
         smallest = model.front()[0]
         raise NoFeasiblePlan(
@@ -468,7 +523,7 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     return Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
         labels=layer_labels(space, layers, params), predicted=best, measured=measured_trial(report, plan),
-        observations=model.observations, margin=model.margin,
+        observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
     )
 
 
