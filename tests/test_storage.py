@@ -16,7 +16,7 @@ def _cli(*args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "REMAT_SEARCH_HOME": str(home)}
     env.pop("REMAT_SEARCH_STORAGE", None)
     return subprocess.run(
-        [sys.executable, "-m", "remat_search.cli", *args], cwd=cwd, env=env, text=True, capture_output=True,
+        [sys.executable, "-m", "remat_search.cli", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False,
         timeout=300,
     )
 
