@@ -25,22 +25,23 @@ choose what to measure: every proposal is compiled and measured like any other t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from remat_search.errors import NoFeasiblePlan
+from remat_search.errors import NoFeasiblePlan, StorageError
 from remat_search.plan import RematPlan, collapse_runs
 from remat_search.results import StudyReport, TrialResult, study_report, trial_result
 from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
-from remat_search.spec import SamplerConfig, SpaceConfig
-from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR
-from remat_search.units import format_bytes
+from remat_search.spec import SamplerConfig, SpaceConfig, describe_validation_error
+from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR, QUEUED_ATTR
+from remat_search.units import format_bytes, format_seconds
 
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 """Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
@@ -378,18 +379,21 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     """Proposes the cost model's best plans for the budget and along the front, then TPE's.
 
     Each of its own proposals is one the study has not tried yet (TPE, once handed over, may
-    repeat one: the measurement cache makes that free); its prediction is stored on the trial
-    (user attribute ``prediction``) so reports can set it beside the measurement. Queued
-    trials (the presets) pass through untouched.
+    repeat one: the measurement cache makes that free); its prediction is kept here by trial
+    number until :func:`record_prediction` stores it on the trial (user attribute
+    ``prediction``), so reports can set it beside the measurement. Queued trials (the
+    presets, marked by :data:`store.QUEUED_ATTR`) pass through untouched.
     """
 
     def __init__(self, space: SpaceConfig, layers: int, budget: int, *, seed: int | None = None) -> None:
         self._space, self._layers, self._budget = space, layers, budget
         self._units = param_names(space, layers)
         self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+        self.predictions: dict[int, dict[str, float]] = {}
+        """The prediction of each trial this sampler proposed, by trial number, until recorded."""
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        if "fixed_params" in trial.system_attrs:
+        if QUEUED_ATTR in trial.user_attrs:
             return {}
         labels = tuple(c.label for c in self._space.choices)
         space: dict[str, BaseDistribution] = {u: CategoricalDistribution(labels) for u in self._units}
@@ -407,10 +411,10 @@ class PlannerSampler(optuna.samplers.BaseSampler):
             tpe_space = self._tpe.infer_relative_search_space(study, trial)
             return self._tpe.sample_relative(study, trial, tpe_space)
         prediction, target, trained_on, margin = proposal
-        study._storage.set_trial_user_attr(trial._trial_id, PREDICTION_ATTR, {
+        self.predictions[trial.number] = {
             "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
             "margin": margin,
-        })
+        }
         params: dict[str, Any] = dict(zip(self._units, prediction.choices, strict=True))
         if self._space.nested:
             params[LAYOUT_PARAM] = "flat"
@@ -435,7 +439,7 @@ class PlannerSampler(optuna.samplers.BaseSampler):
             return None
         tried = set()
         for t in study.get_trials(deepcopy=False):
-            params = t.system_attrs.get("fixed_params") or t.params
+            params = t.user_attrs.get(QUEUED_ATTR) or t.params  # a queued plan, or one suggested
             if params.get(LAYOUT_PARAM, "flat") == "flat" and all(u in params for u in self._units):
                 tried.add(tuple(str(params[u]) for u in self._units))
         front = model.front(cap=self._budget)
@@ -447,6 +451,15 @@ class PlannerSampler(optuna.samplers.BaseSampler):
                 if prediction.choices not in tried:
                     return prediction, target, model.observations, model.margin
         return None
+
+
+def record_prediction(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Store on ``trial`` (user attribute ``prediction``) what the planner predicted for the
+    plan it proposed there, once its parameters are suggested; nothing for other samplers'
+    trials or queued ones."""
+    sampler = study.sampler
+    if isinstance(sampler, PlannerSampler) and (prediction := sampler.predictions.pop(trial.number, None)):
+        trial.set_user_attr(PREDICTION_ATTR, prediction)
 
 
 def make_sampler(
@@ -468,7 +481,8 @@ def make_sampler(
 
 
 class Advice(BaseModel):
-    """The planner's plan for a budget, with what the study measured of it (if anything)."""
+    """The plan to use for a budget: the planner's, or the study's fastest measured plan that
+    fits where that one is faster (:attr:`source`); with what the study measured of it."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -478,7 +492,8 @@ class Advice(BaseModel):
     params: dict[str, str]
     """The trial parameters that stand for :attr:`plan` (to queue it in the study)."""
     labels: tuple[str, ...]
-    predicted: Prediction
+    predicted: Prediction | None
+    """The model's prediction for :attr:`plan` (None for a measured plan it cannot price)."""
     measured: TrialResult | None
     observations: int
     """How many distinct measured plans the model was fitted to."""
@@ -487,43 +502,118 @@ class Advice(BaseModel):
     thinned_to: int | None = None
     """None where the plan is the exact optimum of the model; else the front was thinned to
     this many states (see :attr:`Front.thinned_to`) and a faster predicted plan may exist."""
+    source: Literal["predicted", "measured"] = "predicted"
+    """``predicted``: the model's best plan for the budget; ``measured``: the study's fastest
+    measured plan that fits it (what ``best`` answers), which the model's plan does not beat."""
+    reason: str | None = None
+    """Why a measured plan was advised instead of the model's."""
 
 
 def advise(study: optuna.Study, budget: int) -> Advice:
-    """The fastest plan the study's cost model predicts to fit ``budget``.
+    """The fastest plan the study's cost model predicts to fit ``budget``, unless the study's
+    fastest measured plan that fits (:meth:`StudyReport.best`) is faster than it (than its
+    measurement where it was measured, else its prediction) or no plan is predicted to fit:
+    then that measured plan. The advice is never worse than the best measured plan.
 
-    Raises :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform
-    presets of two choices compiled and one plan timed) or when no plan is predicted to fit.
+    Raises :class:`StorageError` for a study whose stored search space does not validate;
+    :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform presets
+    of two choices compiled and one plan timed), or when no plan is predicted to fit and no
+    measured one fits.
     """
     report = study_report(study)
+    space = _stored_space(study)
     layers = study.user_attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
-    try:
-        space = SpaceConfig.model_validate(study.user_attrs["space"])
-    except (KeyError, ValueError):
-        space = None
-    model = study_cost_model(study, space, layers) if space is not None and layers else None
+    model = study_cost_model(study, space, layers) if layers else None
     if model is None:
         raise NoFeasiblePlan(
             f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
             "plans of two choices compiled and one plan timed); run its search first"
         )
+    try:
+        fastest: TrialResult | None = report.best(budget)
+    except NoFeasiblePlan:
+        fastest = None
     fitting = model.fitting(budget)
     best = fitting.plans[-1] if fitting.plans else None
     if best is None:
         smallest = model.front()[0]
-        raise NoFeasiblePlan(
-            f"budget: no plan is predicted to fit {format_bytes(budget)} with the model's calibration "
+        unpredicted = (
+            f"no plan is predicted to fit {format_bytes(budget)} with the model's calibration "
             f"margin of {model.margin:.1%}; the smallest predicted peak is {format_bytes(int(smallest.peak))} "
-            f"({collapse_runs(smallest.choices)}); `best` answers from measured plans only"
+            f"({collapse_runs(smallest.choices)})"
         )
+        if fastest is None:
+            raise NoFeasiblePlan(f"budget: {unpredicted}; `best` answers from measured plans only")
+        reason = f"{unpredicted}, but {_described(fastest)} fits"
+        return _measured_advice(study, budget, model, space, layers, fastest, reason)
     params = dict(zip(param_names(space, layers), best.choices, strict=True))
     if space.nested:
         params[LAYOUT_PARAM] = "flat"
     plan = plan_from_params(space, layers, params)
-    return Advice(
+    advice = Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
         labels=layer_labels(space, layers, params), predicted=best, measured=measured_trial(report, plan),
         observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
+    )
+    if fastest is None or fastest.plan == plan or fastest.step_seconds is None:
+        return advice
+    seconds, how = _expected_seconds(advice)
+    if fastest.step_seconds >= seconds:
+        return advice
+    return _measured_advice(study, budget, model, space, layers, fastest, (
+        f"{_described(fastest)} is faster than the model's plan ({plan.summary(advice.labels)}, {how})"
+    ))
+
+
+def _stored_space(study: optuna.Study) -> SpaceConfig:
+    """The search space the study was made with; a :class:`StorageError` if it has none, or
+    one that no longer validates (made by another version of remat-search)."""
+    stored = study.user_attrs.get("space")
+    if stored is None:
+        raise StorageError(
+            f"study: {study.study_name!r} was not made by remat-search (it has no search space stored)"
+        )
+    try:
+        return SpaceConfig.model_validate(stored)
+    except ValidationError as e:
+        raise StorageError(
+            f"study: {study.study_name!r} stores a search space that no longer validates "
+            f"({describe_validation_error(e, prefix='space')}); search again under a new study name"
+        ) from None
+
+
+def _expected_seconds(advice: Advice) -> tuple[float, str]:
+    """The advised plan's step time as the study knows it (its measurement where it has one,
+    else the prediction), and how it knows it; infinite where it was measured over the budget."""
+    m, predicted = advice.measured, advice.predicted
+    assert predicted is not None
+    if m is not None and m.peak_bytes is not None and m.peak_bytes > advice.budget:
+        return math.inf, f"trial {m.number}, measured over the budget at {format_bytes(m.peak_bytes)}"
+    if m is not None and m.status == "measured" and m.step_seconds is not None:
+        return m.step_seconds, f"trial {m.number}, measured at {format_seconds(m.step_seconds)}"
+    return predicted.seconds, f"predicted at {format_seconds(predicted.seconds)}"
+
+
+def _described(t: TrialResult) -> str:
+    assert t.peak_bytes is not None and t.step_seconds is not None
+    seconds, peak = format_seconds(t.step_seconds), format_bytes(t.peak_bytes)
+    return f"trial {t.number} ({t.summary()}) measured {seconds} at {peak}"
+
+
+def _measured_advice(
+    study: optuna.Study, budget: int, model: CostModel, space: SpaceConfig, layers: int, trial: TrialResult,
+    reason: str,
+) -> Advice:
+    """Advice of the measured ``trial``, priced by the model where it can be."""
+    assert trial.plan is not None
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    params = {name: str(value) for name, value in frozen.params.items()}
+    units = param_names(space, layers)
+    priced = trial.plan.layout == "flat" and all(u in params for u in units)
+    return Advice(
+        study=study.study_name, budget=budget, plan=trial.plan, params=params, labels=trial.labels,
+        predicted=model.predict([params[u] for u in units]) if priced else None, measured=trial,
+        observations=model.observations, margin=model.margin, source="measured", reason=reason,
     )
 
 

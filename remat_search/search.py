@@ -27,7 +27,14 @@ from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
-from remat_search.planner import Advice, advise, make_sampler, measured_trial, study_cost_model
+from remat_search.planner import (
+    Advice,
+    advise,
+    make_sampler,
+    measured_trial,
+    record_prediction,
+    study_cost_model,
+)
 from remat_search.policy import POLICIES
 from remat_search.results import StudyReport, TrialResult, study_report
 from remat_search.runner import DeviceInfo, Runner
@@ -44,6 +51,7 @@ from remat_search.store import (
     PID_ATTR,
     PLAN_ATTR,
     PREDICTION_ATTR,
+    QUEUED_ATTR,
     REUSED_ATTR,
     check_storage,
     load_study,
@@ -96,7 +104,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         with translate_errors(spec.storage):
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, workload.layers)
-            _requeue_interrupted(study, n_params(spec.space, workload.layers))
+            _requeue_interrupted(study, storage, n_params(spec.space, workload.layers))
             if on_progress:
                 on_progress(finished_trials(study), spec.trials, None, device)
             # Counted afresh each time: other processes may be searching the same study.
@@ -139,6 +147,7 @@ def _run_trial(
         trial.set_user_attr(PID_ATTR, me.pid)
         trial.set_user_attr(STARTED_ATTR, me.create_time())
         plan = suggest_plan(spec.space, layers, trial)
+        record_prediction(study, trial)
         labels = layer_labels(spec.space, layers, trial.params)
         trial.set_user_attr(PLAN_ATTR, plan.to_json())
         trial.set_user_attr(LABELS_ATTR, list(labels))
@@ -160,7 +169,7 @@ def _run_trial(
                 plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
             )
     except BaseException:
-        _interrupt(study, study._storage.get_trial(trial._trial_id), n_params(spec.space, layers))
+        _interrupt(study, trial, n_params(spec.space, layers))
         raise
     if reused_from is None and cached_from is None:
         cache.store(engine, device, m, study=spec.study, trial=trial.number)
@@ -203,11 +212,21 @@ def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:
-    """Store a measurement, the budget constraint last, and finish the trial."""
+    """Store a measurement, the budget constraint last, and finish the trial.
+
+    A plan screened out is a prediction, not a measurement: its trial is PRUNED, with no
+    objective values, so that nothing that reads the study's objectives (``best_trials``,
+    optuna-dashboard) takes it for one. The prediction stays in its measurement attribute
+    (``screened_bytes``); its constraint tells the samplers it is certainly over the budget
+    (TPE ranks a pruned trial with a violated constraint among the infeasible)."""
     trial.set_user_attr(MEASUREMENT_ATTR, m.model_dump_json())
     if m.status == "failed":
         trial.set_user_attr(FAILURE_ATTR, m.error or "unknown failure")
         study.tell(trial, state=TrialState.FAIL)
+        return
+    if m.screened_bytes is not None:
+        trial.set_constraint(BUDGET_CONSTRAINT, m.screened_bytes / budget - 1.0)
+        study.tell(trial, state=TrialState.PRUNED)
         return
     assert m.peak_bytes is not None
     seconds = m.step_seconds if m.status == "measured" else math.inf  # never run: no time
@@ -237,10 +256,10 @@ def _open_study(
             study.set_user_attr(key, value)
         study.set_user_attr("device_info", device.model_dump())
         study.set_user_attr(LAYERS_ATTR, layers)
-        queued = [t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
+        queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]
         for params in preset_params(spec.space, layers):
             if params not in queued:
-                study.enqueue_trial(params)
+                _enqueue(study, params)
         study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
@@ -272,20 +291,36 @@ def _open_study(
     return study
 
 
-def _requeue_interrupted(study: optuna.Study, n_params: int) -> None:
+def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.RDBStorage, n_params: int) -> None:
     """Fail trials whose search process is gone, and queue their plans again."""
+    study_id = storage.get_study_id_from_name(study.study_name)
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if _orphaned(trial):
-            _interrupt(study, trial, n_params)
+            # Another process's trial: no optuna.Trial here to write through, so the storage's.
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
+            _fail_and_requeue(study, trial, n_params)
 
 
-def _interrupt(study: optuna.Study, trial: optuna.trial.FrozenTrial, n_params: int) -> None:
-    """Fail ``trial`` as interrupted; queue its plan again if it had chosen all ``n_params``."""
-    study._storage.set_trial_user_attr(trial._trial_id, FAILURE_ATTR, INTERRUPTED)
+def _interrupt(study: optuna.Study, trial: optuna.Trial, n_params: int) -> None:
+    """Fail this process's ``trial`` as interrupted, and queue its plan again."""
+    trial.set_user_attr(FAILURE_ATTR, INTERRUPTED)
+    _fail_and_requeue(study, trial, n_params)
+
+
+def _fail_and_requeue(
+    study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial, n_params: int
+) -> None:
+    """Fail ``trial``; queue its plan again if it had chosen all ``n_params``."""
     study.tell(trial.number, state=TrialState.FAIL)
-    params = trial.system_attrs.get("fixed_params") or trial.params  # a queued preset, or sampled
+    params = trial.user_attrs.get(QUEUED_ATTR) or trial.params  # a queued preset, or sampled
     if len(params) == n_params:
-        study.enqueue_trial(params)
+        _enqueue(study, params)
+
+
+def _enqueue(study: optuna.Study, params: dict) -> None:
+    """Queue a plan's parameters, recorded as queued (:data:`store.QUEUED_ATTR`)."""
+    study.enqueue_trial(params, user_attrs={QUEUED_ATTR: params})
 
 
 def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
@@ -320,7 +355,7 @@ def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) ->
     had already queued run first."""
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     spec = spec_of_study(study, storage, trials=finished_trials(study) + waiting + 1, confirm={"top": 0})
-    study.enqueue_trial(params)  # after the plans already queued, which run first
+    _enqueue(study, params)  # after the plans already queued, which run first
     return run(spec)
 
 

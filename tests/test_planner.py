@@ -6,19 +6,23 @@ import io
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import optuna
 import pytest
 import sqlalchemy
+from optuna.trial import TrialState
 from rich.console import Console
 
 import remat_search
 from remat_search import cache, output
 from remat_search.planner import Observation, fit_cost_model, solve_front
+from remat_search.report import list_studies
+from remat_search.search import plan_for_budget
 from remat_search.spec import parse_spec
-from remat_search.store import PREDICTION_ATTR
+from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR, open_storage
 
 from .conftest import CHOICES, TINY_TRANSFORMER, spec_dict
 
@@ -271,10 +275,14 @@ def _rendered(advice: remat_search.Advice) -> str:
     return console.file.getvalue()
 
 
-def test_a_search_screens_out_far_over_plans_without_compiling(storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+def test_a_search_screens_out_far_over_plans_without_compiling(  # type: ignore[no-untyped-def]
+    tmp_path: Path, storage_url: str, cli,
+) -> None:
     """Under a budget only full remat fits, a random search records the plans its calibrated
-    cost model predicts far over (``prescreen``) without compiling or caching them; a study
-    that compiles every plan finds each of them over the budget."""
+    cost model predicts far over (``prescreen``) without compiling or caching them, as pruned
+    trials with no objective values: no reader of the study's objectives takes the prediction
+    for a measurement. They count towards the trials asked for. A study that compiles every
+    plan finds each of them over the budget."""
     workload = {**TINY_TRANSFORMER, "layers": 3, "batch": 8, "seq_len": 64}
     space = {"layout": "per_layer", "choices": CHOICES}
     presets = remat_search.run(parse_spec(spec_dict(
@@ -288,18 +296,98 @@ def test_a_search_screens_out_far_over_plans_without_compiling(storage_url: str,
             prescreen=prescreen, confirm={"top": 0}, sampler={"kind": "random", "seed": 3},
         )))
 
-    screened = {t.plan.digest: t for t in search("screening", 1.2).trials if t.measurement.screened_bytes is not None}
+    report = search("screening", 1.2)
+    screened = {t.plan.digest: t for t in report.trials if t.measurement.screened_bytes is not None}
     assert len(screened) >= 3, "nothing was screened out"
-    assert all(t.status == "over_budget" and not t.measurement.compiled and t.peak_bytes > 1.2 * budget
-               for t in screened.values())
+    assert all(t.status == "over_budget" and not t.measurement.compiled for t in screened.values())
+    numbers = {t.number for t in screened.values()}
+    study = optuna.load_study(study_name="screening", storage=storage_url)
+    for number in numbers:
+        assert study.trials[number].state == TrialState.PRUNED and study.trials[number].values is None
+    assert not numbers & {t.number for t in study.best_trials}
+    assert not numbers & {t.number for t in remat_search.pareto_front("screening", storage_url)}
+    assert len(report.trials) == 12  # pruned trials finish: the search stops at the 12 asked for
+    assert next(s for s in list_studies(storage_url) if s.study == "screening").complete == 12
     with sqlalchemy.create_engine(storage_url).connect() as connection:
         cached = set(connection.execute(sqlalchemy.select(cache.measurements.c.plan)).scalars())
     assert not cached & screened.keys()
     shown = cli("show", "--study", "screening", "--trial", str(next(iter(screened.values())).number),
                 "--storage", storage_url).stdout
     assert "screened out, never compiled" in shown
+    plot = tmp_path / "front.png"
+    plotted = cli("pareto", "--study", "screening", "--storage", storage_url, "--plot", str(plot))
+    assert plotted.exit_code == 0 and plot.stat().st_size > 0
 
     compiled = {t.plan.digest: t for t in search("compiling", None).trials}
     assert screened.keys() <= compiled.keys()  # the same seed proposes the same plans
     for digest in screened:
         assert compiled[digest].measurement.compiled and compiled[digest].peak_bytes > budget
+
+
+def test_plan_advises_the_best_measured_plan_when_the_model_s_plan_is_slower(  # type: ignore[no-untyped-def]
+    tmp_path: Path, storage_url: str, cli,
+) -> None:
+    """The planner's advice is never worse than the best measured plan that fits: at full
+    remat's peak the model advises a mix that saves as much for less recompute; once measured,
+    that mix is slower (+90 ms a step) than full remat, so `plan` advises full remat, as `best`
+    does, and says why."""
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"full×3": 30}))
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "per_layer", "choices": ["none", "full"]}, trials=2, confirm={"top": 0},
+    )))
+    full = next(t for t in remat_search.load_report("tiny", storage_url).trials if t.summary() == "full×3")
+    budget = str(full.peak_bytes)
+
+    def advised() -> remat_search.RematPlan:
+        out = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url, "--json")
+        assert out.exit_code == 0, out.stderr
+        return remat_search.RematPlan.from_json(out.stdout)
+
+    mix = advised()
+    assert mix != full.plan
+    assert plan_for_budget("tiny", full.peak_bytes, storage=storage_url).source == "predicted"
+    delays.write_text(json.dumps({"full×3": 30, mix.summary(): 90}))
+    measured = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url, "--measure")
+    assert measured.exit_code == 0, measured.stderr
+    measured_mix = next(t for t in remat_search.load_report("tiny", storage_url).trials if t.plan == mix)
+    assert measured_mix.step_seconds > full.step_seconds
+
+    assert advised() == full.plan == remat_search.best_plan("tiny", full.peak_bytes, storage_url).plan
+    advice = plan_for_budget("tiny", full.peak_bytes, storage=storage_url)
+    assert advice.source == "measured" and advice.measured.number == full.number
+    assert f"trial {measured_mix.number}" in advice.reason
+    shown = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url)
+    assert shown.exit_code == 0 and "the best measured plan, not the model's" in shown.stdout
+
+
+def test_plan_reports_an_invalid_stored_space_apart_from_too_little_measured(  # type: ignore[no-untyped-def]
+    storage_url: str, cli,
+) -> None:
+    storage = open_storage(storage_url, create=True)
+    for name, space in (
+        ("old", {"layout": "per_layer", "choices": ["none", "full"], "stride": 2}),  # a key unknown here
+        ("new", {"layout": "per_layer", "choices": ["none", "full"]}),
+    ):
+        study = optuna.create_study(study_name=name, storage=storage, directions=["minimize", "minimize"])
+        study.set_user_attr("space", space)
+        study.set_user_attr(LAYERS_ATTR, 3)
+    old = cli("plan", "--study", "old", "--budget", "1MiB", "--storage", storage_url)
+    assert old.exit_code == 2
+    assert "'old'" in old.stderr and "space.stride" in old.stderr and "run its search first" not in old.stderr
+    new = cli("plan", "--study", "new", "--budget", "1MiB", "--storage", storage_url)
+    assert new.exit_code == 1 and "too little measured" in new.stderr and "run its search first" in new.stderr
+
+
+def test_the_package_uses_optuna_s_public_api_only() -> None:
+    """No private storage or trial ids, nor optuna's own system key for queued trials: queued
+    plans carry our attribute (store.QUEUED_ATTR)."""
+    private = re.compile(r"\._storage\b|\._trial_id\b|[\"']fixed_params[\"']")
+    package = Path(remat_search.__file__).parent
+    used = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(package.glob("*.py")) for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert not used
