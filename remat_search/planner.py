@@ -26,19 +26,19 @@ choose what to measure: every proposal is compiled and measured like any other t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from remat_search.errors import NoFeasiblePlan, StorageError
+from remat_search.errors import NoFeasiblePlan, SpecError, StorageError
 from remat_search.plan import RematPlan, collapse_runs
 from remat_search.results import StudyReport, TrialResult, study_report, trial_result
-from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
+from remat_search.space import Space
 from remat_search.spec import SamplerConfig, SpaceConfig, describe_validation_error
 from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR, QUEUED_ATTR
 from remat_search.units import format_bytes, format_seconds
@@ -350,28 +350,27 @@ def _mean(values: Any) -> float:
     return float(sum(values) / len(values))
 
 
-def study_observations(study: optuna.Study, units: Sequence[str]) -> list[Observation]:
-    """One observation per distinct plan the study compiled (cache reuses counted once)."""
+def study_observations(study: optuna.Study, space: Space) -> list[Observation]:
+    """One observation per distinct flat plan the study compiled (cache reuses counted once)."""
     seen: dict[str, Observation] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         result = trial_result(t)
         m = result.measurement
-        flat = result.plan is not None and result.plan.layout == "flat"  # the model prices flat plans
-        if m is None or m.memory is None or not flat or not all(u in t.params for u in units):
+        choices = space.choices(t.params)  # the model prices flat plans
+        if m is None or m.memory is None or result.plan is None or choices is None:
             continue
         seen.setdefault(result.plan.digest, Observation(
-            choices=tuple(str(t.params[u]) for u in units), peak=m.memory.peak, flops=m.flops,
+            choices=choices, peak=m.memory.peak, flops=m.flops,
             seconds=m.step_seconds if m.status == "measured" else None,
         ))
     return list(seen.values())
 
 
-def study_cost_model(study: optuna.Study, space: SpaceConfig, layers: int) -> CostModel | None:
+def study_cost_model(study: optuna.Study, space: Space) -> CostModel | None:
     """The cost model fitted to everything ``study`` has measured."""
-    units = param_names(space, layers)
     return fit_cost_model(
-        study_observations(study, units), labels=[c.label for c in space.choices],
-        unit_layers=unit_layers(space, layers), units=units, layers=layers,
+        study_observations(study, space), labels=space.labels, unit_layers=space.unit_layers,
+        units=space.units, layers=space.layers,
     )
 
 
@@ -385,21 +384,14 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     presets, marked by :data:`store.QUEUED_ATTR`) pass through untouched.
     """
 
-    def __init__(self, space: SpaceConfig, layers: int, budget: int, *, seed: int | None = None) -> None:
-        self._space, self._layers, self._budget = space, layers, budget
-        self._units = param_names(space, layers)
+    def __init__(self, space: Space, budget: int, *, seed: int | None = None) -> None:
+        self._space, self._budget = space, budget
         self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True)
         self.predictions: dict[int, dict[str, float]] = {}
         """The prediction of each trial this sampler proposed, by trial number, until recorded."""
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        if QUEUED_ATTR in trial.user_attrs:
-            return {}
-        labels = tuple(c.label for c in self._space.choices)
-        space: dict[str, BaseDistribution] = {u: CategoricalDistribution(labels) for u in self._units}
-        if self._space.nested:
-            space[LAYOUT_PARAM] = CategoricalDistribution(("flat", "nested"))
-        return space
+        return {} if QUEUED_ATTR in trial.user_attrs else self._space.distributions()
 
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
@@ -415,10 +407,7 @@ class PlannerSampler(optuna.samplers.BaseSampler):
             "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
             "margin": margin,
         }
-        params: dict[str, Any] = dict(zip(self._units, prediction.choices, strict=True))
-        if self._space.nested:
-            params[LAYOUT_PARAM] = "flat"
-        return params
+        return self._space.params(prediction.choices)
 
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
@@ -434,14 +423,11 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """For the first target budget with one, the fastest predicted plan among its best
         :data:`PER_TARGET` that the study has not tried."""
-        model = study_cost_model(study, self._space, self._layers)
+        model = study_cost_model(study, self._space)
         if model is None:
             return None
-        tried = set()
-        for t in study.get_trials(deepcopy=False):
-            params = t.user_attrs.get(QUEUED_ATTR) or t.params  # a queued plan, or one suggested
-            if params.get(LAYOUT_PARAM, "flat") == "flat" and all(u in params for u in self._units):
-                tried.add(tuple(str(params[u]) for u in self._units))
+        # A queued plan, or one suggested.
+        tried = {self._space.choices(t.user_attrs.get(QUEUED_ATTR) or t.params) for t in study.get_trials(deepcopy=False)}
         front = model.front(cap=self._budget)
         for fraction in TARGETS:
             target = int(self._budget * fraction)
@@ -462,22 +448,32 @@ def record_prediction(study: optuna.Study, trial: optuna.Trial) -> None:
         trial.set_user_attr(PREDICTION_ATTR, prediction)
 
 
-def make_sampler(
-    config: SamplerConfig, *, space: SpaceConfig, layers: int, budget: int, offset: int = 0
-) -> optuna.samplers.BaseSampler:
-    """The sampler a spec names; all but ``random`` learn from the budget constraint.
+SamplerFactory = Callable[[Space, int, "int | None"], optuna.samplers.BaseSampler]
+"""Builds a sampler for ``(space, budget, seed)``."""
+SAMPLERS: dict[str, SamplerFactory] = {
+    "planner": lambda space, budget, seed: PlannerSampler(space, budget, seed=seed),
+    "tpe": lambda space, budget, seed: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+    "nsga2": lambda space, budget, seed: optuna.samplers.NSGAIISampler(seed=seed),
+    "random": lambda space, budget, seed: optuna.samplers.RandomSampler(seed=seed),
+}
+"""The samplers a spec may name (``sampler.kind``): the planner, then optuna's own. All but
+``random`` learn from the budget constraint. A new sampler is one entry here."""
+
+
+def check_sampler(config: SamplerConfig) -> None:
+    """Raise :class:`SpecError` unless ``config`` names a sampler of :data:`SAMPLERS`."""
+    if config.kind not in SAMPLERS:
+        raise SpecError(f"spec.sampler.kind: unknown sampler {config.kind!r}; expected one of {', '.join(SAMPLERS)}")
+
+
+def make_sampler(config: SamplerConfig, *, space: Space, budget: int, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler a spec names (:data:`SAMPLERS`; see :func:`check_sampler`).
 
     ``offset`` (the study's trial count) moves the seed, so a resumed search does not replay
     the proposals of the session before it.
     """
-    seed = None if config.seed is None else config.seed + offset
-    if config.kind == "planner":
-        return PlannerSampler(space, layers, budget, seed=seed)
-    if config.kind == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
-    if config.kind == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)
+    check_sampler(config)
+    return SAMPLERS[config.kind](space, budget, None if config.seed is None else config.seed + offset)
 
 
 class Advice(BaseModel):
@@ -521,9 +517,9 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     measured one fits.
     """
     report = study_report(study)
-    space = _stored_space(study)
     layers = study.user_attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
-    model = study_cost_model(study, space, layers) if layers else None
+    space = _stored_space(study, layers)
+    model = study_cost_model(study, space) if layers else None
     if model is None:
         raise NoFeasiblePlan(
             f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
@@ -545,14 +541,12 @@ def advise(study: optuna.Study, budget: int) -> Advice:
         if fastest is None:
             raise NoFeasiblePlan(f"budget: {unpredicted}; `best` answers from measured plans only")
         reason = f"{unpredicted}, but {_described(fastest)} fits"
-        return _measured_advice(study, budget, model, space, layers, fastest, reason)
-    params = dict(zip(param_names(space, layers), best.choices, strict=True))
-    if space.nested:
-        params[LAYOUT_PARAM] = "flat"
-    plan = plan_from_params(space, layers, params)
+        return _measured_advice(study, budget, model, space, fastest, reason)
+    params = space.params(best.choices)
+    plan = space.plan(params)
     advice = Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
-        labels=layer_labels(space, layers, params), predicted=best, measured=measured_trial(report, plan),
+        labels=space.layer_labels(params), predicted=best, measured=measured_trial(report, plan),
         observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
     )
     if fastest is None or fastest.plan == plan or fastest.step_seconds is None:
@@ -560,21 +554,22 @@ def advise(study: optuna.Study, budget: int) -> Advice:
     seconds, how = _expected_seconds(advice)
     if fastest.step_seconds >= seconds:
         return advice
-    return _measured_advice(study, budget, model, space, layers, fastest, (
+    return _measured_advice(study, budget, model, space, fastest, (
         f"{_described(fastest)} is faster than the model's plan ({plan.summary(advice.labels)}, {how})"
     ))
 
 
-def _stored_space(study: optuna.Study) -> SpaceConfig:
-    """The search space the study was made with; a :class:`StorageError` if it has none, or
-    one that no longer validates (made by another version of remat-search)."""
+def _stored_space(study: optuna.Study, layers: int) -> Space:
+    """The search space the study was made with, over ``layers`` layers; a
+    :class:`StorageError` if it has none, or one that no longer validates (made by another
+    version of remat-search)."""
     stored = study.user_attrs.get("space")
     if stored is None:
         raise StorageError(
             f"study: {study.study_name!r} was not made by remat-search (it has no search space stored)"
         )
     try:
-        return SpaceConfig.model_validate(stored)
+        return Space.of(SpaceConfig.model_validate(stored), max(layers, 1))
     except ValidationError as e:
         raise StorageError(
             f"study: {study.study_name!r} stores a search space that no longer validates "
@@ -601,18 +596,16 @@ def _described(t: TrialResult) -> str:
 
 
 def _measured_advice(
-    study: optuna.Study, budget: int, model: CostModel, space: SpaceConfig, layers: int, trial: TrialResult,
-    reason: str,
+    study: optuna.Study, budget: int, model: CostModel, space: Space, trial: TrialResult, reason: str
 ) -> Advice:
     """Advice of the measured ``trial``, priced by the model where it can be."""
     assert trial.plan is not None
     frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
     params = {name: str(value) for name, value in frozen.params.items()}
-    units = param_names(space, layers)
-    priced = trial.plan.layout == "flat" and all(u in params for u in units)
+    choices = space.choices(params)
     return Advice(
         study=study.study_name, budget=budget, plan=trial.plan, params=params, labels=trial.labels,
-        predicted=model.predict([params[u] for u in units]) if priced else None, measured=trial,
+        predicted=model.predict(choices) if choices is not None else None, measured=trial,
         observations=model.observations, margin=model.margin, source="measured", reason=reason,
     )
 
