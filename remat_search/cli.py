@@ -284,7 +284,8 @@ def plan(
     """The planner's predicted-best plan for any budget, beside what was measured of it.
 
     The cost model is fitted to every plan the study compiled (the uniform presets give
-    each choice's cost, mixed plans correct it per layer) and solved exactly for the budget.
+    each choice's cost, mixed plans correct it per layer) and solved for the budget: exactly
+    unless its front had to be thinned, which the output says.
     A prediction is not a measurement: `best` only returns measured plans.
     """
     from remat_search.search import plan_for_budget

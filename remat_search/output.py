@@ -137,20 +137,23 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
 
 def advice_table(advice: Advice) -> Group:
     """The planner's plan for a budget: predicted vs measured peak and step time."""
+    solve = "exact" if advice.thinned_to is None else f"approximate (front thinned to {advice.thinned_to:,} states)"
     header = Text(
         f"Planned for {format_bytes(advice.budget)} from {advice.observations} measured plans of "
-        f"{advice.study!r} (calibration margin {advice.margin:.1%}):\n  {advice.plan.summary(advice.labels)}"
+        f"{advice.study!r} (calibration margin {advice.margin:.1%}; solve {solve}):\n"
+        f"  {advice.plan.summary(advice.labels)}"
+        + (f"\n  the best measured plan, not the model's: {advice.reason}" if advice.reason else "")
     )
     table = Table()
     for column in ("", "predicted", "measured", "error"):
         table.add_column(column, justify="right")
-    measured = advice.measured
+    measured, p = advice.measured, advice.predicted
     for name, predicted, seen, fmt in (
-        ("peak", advice.predicted.peak, measured.peak_bytes if measured else None, lambda v: format_bytes(int(v))),
-        ("step", advice.predicted.seconds, measured.step_seconds if measured else None, format_seconds),
+        ("peak", p and p.peak, measured.peak_bytes if measured else None, lambda v: format_bytes(int(v))),
+        ("step", p and p.seconds, measured.step_seconds if measured else None, format_seconds),
     ):
-        error = f"{predicted / seen - 1:+.1%}" if seen else "—"
-        table.add_row(name, fmt(predicted), fmt(seen) if seen else "—", error)
+        error = f"{predicted / seen - 1:+.1%}" if seen and predicted else "—"
+        table.add_row(name, fmt(predicted) if predicted else "—", fmt(seen) if seen else "—", error)
     if measured is not None:
         table.add_row("trial", "", f"{measured.number} ({measured.status})", "")
     return Group(header, table)

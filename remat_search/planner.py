@@ -1,4 +1,4 @@
-"""The planner: a per-layer cost model fitted to a study's measurements, solved exactly.
+"""The planner: a per-layer cost model fitted to a study's measurements, solved for its Pareto front.
 
 Every measured plan teaches the model what each choice costs at each position. Peak
 memory and step time are modelled as a base (the plan of the first choice everywhere,
@@ -15,8 +15,9 @@ or the whole stack, whichever the space's parameters are:
 * every other measurement corrects the prior (ridge regression towards it), which learns
   what the prior gets wrong, e.g. that early layers' residuals live longest.
 
-:func:`solve_front` then finds the exact Pareto front of predicted (peak, time) over all
-plans by dynamic programming over units (a multiple-choice knapsack), and
+:func:`solve_front` then finds the Pareto front of predicted (peak, time) over all plans by
+dynamic programming over units (a multiple-choice knapsack): exact unless the front of partial
+plans outgrows :data:`MAX_STATES`, when it is thinned and says so (:attr:`Front.thinned_to`); and
 :class:`PlannerSampler` proposes its best plan for the budget and for a spread of smaller
 budgets, handing over to TPE when the model has nothing new to propose. Predictions only
 choose what to measure: every proposal is compiled and measured like any other trial.
@@ -24,22 +25,23 @@ choose what to measure: every proposal is compiled and measured like any other t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from remat_search.errors import NoFeasiblePlan
+from remat_search.errors import NoFeasiblePlan, SpecError, StorageError
 from remat_search.plan import RematPlan, collapse_runs
 from remat_search.results import StudyReport, TrialResult, study_report, trial_result
-from remat_search.space import LAYOUT_PARAM, layer_labels, param_names, plan_from_params, unit_layers
-from remat_search.spec import SamplerConfig, SpaceConfig
-from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR
-from remat_search.units import format_bytes
+from remat_search.space import Space
+from remat_search.spec import SamplerConfig, SpaceConfig, describe_validation_error
+from remat_search.store import LAYERS_ATTR, PREDICTION_ATTR, QUEUED_ATTR
+from remat_search.units import format_bytes, format_seconds
 
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 """Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
@@ -74,6 +76,16 @@ class Prediction(BaseModel):
     choices: tuple[str, ...]
     peak: float
     seconds: float
+
+
+class PredictedFront(BaseModel):
+    """The predicted Pareto front, least memory first, and whether the solve was exact (see
+    :attr:`Front.thinned_to`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    plans: tuple[Prediction, ...]
+    thinned_to: int | None = None
 
 
 class CostModel(BaseModel):
@@ -119,22 +131,33 @@ class CostModel(BaseModel):
             return None
         return prediction if prediction.peak / (1 + self.overshoot) > factor * budget else None
 
+    def solve(self, cap: float | None = None) -> PredictedFront:
+        """The predicted Pareto front (only peaks ≤ ``cap`` if given), and whether it is exact."""
+        solved = solve_front(self.peak, self.seconds, cap=None if cap is None else cap - self.base_peak)
+        return PredictedFront(
+            plans=tuple(
+                Prediction(
+                    choices=tuple(self.labels[k] for k in ks),
+                    peak=self.base_peak + m, seconds=self.base_seconds + t,
+                )
+                for m, t, ks in solved.points()
+            ),
+            thinned_to=solved.thinned_to,
+        )
+
     def front(self, cap: float | None = None) -> list[Prediction]:
         """The predicted Pareto front, least memory first (only peaks ≤ ``cap`` if given)."""
-        states = solve_front(self.peak, self.seconds, cap=None if cap is None else cap - self.base_peak)
-        return [
-            Prediction(
-                choices=tuple(self.labels[k] for k in ks),
-                peak=self.base_peak + m, seconds=self.base_seconds + t,
-            )
-            for m, t, ks in states
-        ]
+        return list(self.solve(cap).plans)
+
+    def fitting(self, budget: float) -> PredictedFront:
+        """The predicted front of the plans that fit ``budget`` with the model's calibration margin."""
+        return self.solve(cap=budget / (1 + self.margin))
 
     def best(self, budget: float) -> Prediction | None:
         """The fastest plan predicted to fit ``budget`` with the model's calibration margin;
         None if none is predicted to."""
-        front = self.front(cap=budget / (1 + self.margin))
-        return front[-1] if front else None
+        plans = self.fitting(budget).plans
+        return plans[-1] if plans else None
 
 
 def fit_cost_model(
@@ -238,23 +261,51 @@ def _ridge(
     return deltas.reshape(n_units, n_labels), values - loo_residuals(lam)
 
 
+class Front(BaseModel):
+    """A Pareto front of summed (memory, seconds) from :func:`solve_front`: one state per
+    plan, memory ascending and seconds descending, and whether it is exact."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    memory: np.ndarray
+    seconds: np.ndarray
+    choices: np.ndarray
+    """``[state, unit]``: the choice index of each unit in each state's plan."""
+    thinned_to: int | None = None
+    """None where the front is exact: no unit's front of partial plans outgrew ``max_states``,
+    so only dominated plans were dropped and the optimum for any cap is on it. Else the
+    ``max_states`` it was thinned to: an optimum may have been merged away."""
+
+    @property
+    def exact(self) -> bool:
+        return self.thinned_to is None
+
+    def points(self) -> list[tuple[float, float, tuple[int, ...]]]:
+        """``(memory, seconds, choices)`` of each state, memory ascending."""
+        return [
+            (float(a), float(b), tuple(int(k) for k in ks))
+            for a, b, ks in zip(self.memory, self.seconds, self.choices, strict=True)
+        ]
+
+
 def solve_front(
     memory: np.ndarray, seconds: np.ndarray, *, cap: float | None = None, max_states: int = MAX_STATES
-) -> list[tuple[float, float, tuple[int, ...]]]:
+) -> Front:
     """The Pareto front of ``Σ memory[u, k_u]`` vs ``Σ seconds[u, k_u]`` over all choices ``k``.
 
     Dynamic programming over units: after each unit only the non-dominated partial plans
     are kept, so the result is exact (the optimum for any cap is on it) unless the front
-    grows past ``max_states``, when states within 1/max_states of the memory range merge.
+    grows past ``max_states``, when states within 1/max_states of the memory range merge
+    and the result says so (:attr:`Front.thinned_to`).
     Partial plans are kept as back-pointers (parent state, choice) and read back at the end,
     so a 96-layer stack costs arrays, not tuples, per unit.
-    Returns ``(memory, seconds, choices)`` with memory ascending and seconds descending.
     """
     n_units, n_choices = memory.shape
     lowest_rest = np.concatenate([np.cumsum(memory.min(axis=1)[::-1])[::-1], [0.0]])
     m, t = np.zeros(1), np.zeros(1)
     parents: list[np.ndarray] = []
     choices: list[np.ndarray] = []
+    thinned = False
     for u in range(n_units):
         grown_m = (m[:, None] + memory[u][None, :]).reshape(-1)
         grown_t = (t[:, None] + seconds[u][None, :]).reshape(-1)
@@ -264,6 +315,7 @@ def solve_front(
         index = index[_pareto(grown_m[index], grown_t[index])]
         if index.size > max_states:
             index = index[_thin(grown_m[index], max_states)]
+            thinned = True
         m, t = grown_m[index], grown_t[index]
         parents.append(index // n_choices)
         choices.append(index % n_choices)
@@ -272,7 +324,7 @@ def solve_front(
     for u in reversed(range(n_units)):
         plans[:, u] = choices[u][state]
         state = parents[u][state]
-    return [(float(a), float(b), tuple(int(k) for k in ks)) for a, b, ks in zip(m, t, plans, strict=True)]
+    return Front(memory=m, seconds=t, choices=plans, thinned_to=max_states if thinned else None)
 
 
 def _pareto(m: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -298,28 +350,27 @@ def _mean(values: Any) -> float:
     return float(sum(values) / len(values))
 
 
-def study_observations(study: optuna.Study, units: Sequence[str]) -> list[Observation]:
-    """One observation per distinct plan the study compiled (cache reuses counted once)."""
+def study_observations(study: optuna.Study, space: Space) -> list[Observation]:
+    """One observation per distinct flat plan the study compiled (cache reuses counted once)."""
     seen: dict[str, Observation] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         result = trial_result(t)
         m = result.measurement
-        flat = result.plan is not None and result.plan.layout == "flat"  # the model prices flat plans
-        if m is None or m.memory is None or not flat or not all(u in t.params for u in units):
+        choices = space.choices(t.params)  # the model prices flat plans
+        if m is None or m.memory is None or result.plan is None or choices is None:
             continue
         seen.setdefault(result.plan.digest, Observation(
-            choices=tuple(str(t.params[u]) for u in units), peak=m.memory.peak, flops=m.flops,
+            choices=choices, peak=m.memory.peak, flops=m.flops,
             seconds=m.step_seconds if m.status == "measured" else None,
         ))
     return list(seen.values())
 
 
-def study_cost_model(study: optuna.Study, space: SpaceConfig, layers: int) -> CostModel | None:
+def study_cost_model(study: optuna.Study, space: Space) -> CostModel | None:
     """The cost model fitted to everything ``study`` has measured."""
-    units = param_names(space, layers)
     return fit_cost_model(
-        study_observations(study, units), labels=[c.label for c in space.choices],
-        unit_layers=unit_layers(space, layers), units=units, layers=layers,
+        study_observations(study, space), labels=space.labels, unit_layers=space.unit_layers,
+        units=space.units, layers=space.layers,
     )
 
 
@@ -327,24 +378,20 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     """Proposes the cost model's best plans for the budget and along the front, then TPE's.
 
     Each of its own proposals is one the study has not tried yet (TPE, once handed over, may
-    repeat one: the measurement cache makes that free); its prediction is stored on the trial
-    (user attribute ``prediction``) so reports can set it beside the measurement. Queued
-    trials (the presets) pass through untouched.
+    repeat one: the measurement cache makes that free); its prediction is kept here by trial
+    number until :func:`record_prediction` stores it on the trial (user attribute
+    ``prediction``), so reports can set it beside the measurement. Queued trials (the
+    presets, marked by :data:`store.QUEUED_ATTR`) pass through untouched.
     """
 
-    def __init__(self, space: SpaceConfig, layers: int, budget: int, *, seed: int | None = None) -> None:
-        self._space, self._layers, self._budget = space, layers, budget
-        self._units = param_names(space, layers)
+    def __init__(self, space: Space, budget: int, *, seed: int | None = None) -> None:
+        self._space, self._budget = space, budget
         self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+        self.predictions: dict[int, dict[str, float]] = {}
+        """The prediction of each trial this sampler proposed, by trial number, until recorded."""
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        if "fixed_params" in trial.system_attrs:
-            return {}
-        labels = tuple(c.label for c in self._space.choices)
-        space: dict[str, BaseDistribution] = {u: CategoricalDistribution(labels) for u in self._units}
-        if self._space.nested:
-            space[LAYOUT_PARAM] = CategoricalDistribution(("flat", "nested"))
-        return space
+        return {} if QUEUED_ATTR in trial.user_attrs else self._space.distributions()
 
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
@@ -356,14 +403,11 @@ class PlannerSampler(optuna.samplers.BaseSampler):
             tpe_space = self._tpe.infer_relative_search_space(study, trial)
             return self._tpe.sample_relative(study, trial, tpe_space)
         prediction, target, trained_on, margin = proposal
-        study._storage.set_trial_user_attr(trial._trial_id, PREDICTION_ATTR, {
+        self.predictions[trial.number] = {
             "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
             "margin": margin,
-        })
-        params: dict[str, Any] = dict(zip(self._units, prediction.choices, strict=True))
-        if self._space.nested:
-            params[LAYOUT_PARAM] = "flat"
-        return params
+        }
+        return self._space.params(prediction.choices)
 
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
@@ -379,14 +423,11 @@ class PlannerSampler(optuna.samplers.BaseSampler):
     def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """For the first target budget with one, the fastest predicted plan among its best
         :data:`PER_TARGET` that the study has not tried."""
-        model = study_cost_model(study, self._space, self._layers)
+        model = study_cost_model(study, self._space)
         if model is None:
             return None
-        tried = set()
-        for t in study.get_trials(deepcopy=False):
-            params = t.system_attrs.get("fixed_params") or t.params
-            if params.get(LAYOUT_PARAM, "flat") == "flat" and all(u in params for u in self._units):
-                tried.add(tuple(str(params[u]) for u in self._units))
+        # A queued plan, or one suggested.
+        tried = {self._space.choices(t.user_attrs.get(QUEUED_ATTR) or t.params) for t in study.get_trials(deepcopy=False)}
         front = model.front(cap=self._budget)
         for fraction in TARGETS:
             target = int(self._budget * fraction)
@@ -398,26 +439,46 @@ class PlannerSampler(optuna.samplers.BaseSampler):
         return None
 
 
-def make_sampler(
-    config: SamplerConfig, *, space: SpaceConfig, layers: int, budget: int, offset: int = 0
-) -> optuna.samplers.BaseSampler:
-    """The sampler a spec names; all but ``random`` learn from the budget constraint.
+def record_prediction(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Store on ``trial`` (user attribute ``prediction``) what the planner predicted for the
+    plan it proposed there, once its parameters are suggested; nothing for other samplers'
+    trials or queued ones."""
+    sampler = study.sampler
+    if isinstance(sampler, PlannerSampler) and (prediction := sampler.predictions.pop(trial.number, None)):
+        trial.set_user_attr(PREDICTION_ATTR, prediction)
+
+
+SamplerFactory = Callable[[Space, int, "int | None"], optuna.samplers.BaseSampler]
+"""Builds a sampler for ``(space, budget, seed)``."""
+SAMPLERS: dict[str, SamplerFactory] = {
+    "planner": lambda space, budget, seed: PlannerSampler(space, budget, seed=seed),
+    "tpe": lambda space, budget, seed: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+    "nsga2": lambda space, budget, seed: optuna.samplers.NSGAIISampler(seed=seed),
+    "random": lambda space, budget, seed: optuna.samplers.RandomSampler(seed=seed),
+}
+"""The samplers a spec may name (``sampler.kind``): the planner, then optuna's own. All but
+``random`` learn from the budget constraint. A new sampler is one entry here."""
+
+
+def check_sampler(config: SamplerConfig) -> None:
+    """Raise :class:`SpecError` unless ``config`` names a sampler of :data:`SAMPLERS`."""
+    if config.kind not in SAMPLERS:
+        raise SpecError(f"spec.sampler.kind: unknown sampler {config.kind!r}; expected one of {', '.join(SAMPLERS)}")
+
+
+def make_sampler(config: SamplerConfig, *, space: Space, budget: int, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler a spec names (:data:`SAMPLERS`; see :func:`check_sampler`).
 
     ``offset`` (the study's trial count) moves the seed, so a resumed search does not replay
     the proposals of the session before it.
     """
-    seed = None if config.seed is None else config.seed + offset
-    if config.kind == "planner":
-        return PlannerSampler(space, layers, budget, seed=seed)
-    if config.kind == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
-    if config.kind == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)
+    check_sampler(config)
+    return SAMPLERS[config.kind](space, budget, None if config.seed is None else config.seed + offset)
 
 
 class Advice(BaseModel):
-    """The planner's plan for a budget, with what the study measured of it (if anything)."""
+    """The plan to use for a budget: the planner's, or the study's fastest measured plan that
+    fits where that one is faster (:attr:`source`); with what the study measured of it."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -427,48 +488,125 @@ class Advice(BaseModel):
     params: dict[str, str]
     """The trial parameters that stand for :attr:`plan` (to queue it in the study)."""
     labels: tuple[str, ...]
-    predicted: Prediction
+    predicted: Prediction | None
+    """The model's prediction for :attr:`plan` (None for a measured plan it cannot price)."""
     measured: TrialResult | None
     observations: int
     """How many distinct measured plans the model was fitted to."""
     margin: float
     """The model's calibration margin (see :attr:`CostModel.margin`)."""
+    thinned_to: int | None = None
+    """None where the plan is the exact optimum of the model; else the front was thinned to
+    this many states (see :attr:`Front.thinned_to`) and a faster predicted plan may exist."""
+    source: Literal["predicted", "measured"] = "predicted"
+    """``predicted``: the model's best plan for the budget; ``measured``: the study's fastest
+    measured plan that fits it (what ``best`` answers), which the model's plan does not beat."""
+    reason: str | None = None
+    """Why a measured plan was advised instead of the model's."""
 
 
 def advise(study: optuna.Study, budget: int) -> Advice:
-    """The fastest plan the study's cost model predicts to fit ``budget``.
+    """The fastest plan the study's cost model predicts to fit ``budget``, unless the study's
+    fastest measured plan that fits (:meth:`StudyReport.best`) is faster than it (than its
+    measurement where it was measured, else its prediction) or no plan is predicted to fit:
+    then that measured plan. The advice is never worse than the best measured plan.
 
-    Raises :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform
-    presets of two choices compiled and one plan timed) or when no plan is predicted to fit.
+    Raises :class:`StorageError` for a study whose stored search space does not validate;
+    :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform presets
+    of two choices compiled and one plan timed), or when no plan is predicted to fit and no
+    measured one fits.
     """
     report = study_report(study)
     layers = study.user_attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
-    try:
-        space = SpaceConfig.model_validate(study.user_attrs["space"])
-    except (KeyError, ValueError):
-        space = None
-    model = study_cost_model(study, space, layers) if space is not None and layers else None
+    space = _stored_space(study, layers)
+    model = study_cost_model(study, space) if layers else None
     if model is None:
         raise NoFeasiblePlan(
             f"study: {study.study_name!r} has too little measured to plan from (it needs the uniform "
             "plans of two choices compiled and one plan timed); run its search first"
         )
-    best = model.best(budget)
+    try:
+        fastest: TrialResult | None = report.best(budget)
+    except NoFeasiblePlan:
+        fastest = None
+    fitting = model.fitting(budget)
+    best = fitting.plans[-1] if fitting.plans else None
     if best is None:
         smallest = model.front()[0]
-        raise NoFeasiblePlan(
-            f"budget: no plan is predicted to fit {format_bytes(budget)} with the model's calibration "
+        unpredicted = (
+            f"no plan is predicted to fit {format_bytes(budget)} with the model's calibration "
             f"margin of {model.margin:.1%}; the smallest predicted peak is {format_bytes(int(smallest.peak))} "
-            f"({collapse_runs(smallest.choices)}); `best` answers from measured plans only"
+            f"({collapse_runs(smallest.choices)})"
         )
-    params = dict(zip(param_names(space, layers), best.choices, strict=True))
-    if space.nested:
-        params[LAYOUT_PARAM] = "flat"
-    plan = plan_from_params(space, layers, params)
-    return Advice(
+        if fastest is None:
+            raise NoFeasiblePlan(f"budget: {unpredicted}; `best` answers from measured plans only")
+        reason = f"{unpredicted}, but {_described(fastest)} fits"
+        return _measured_advice(study, budget, model, space, fastest, reason)
+    params = space.params(best.choices)
+    plan = space.plan(params)
+    advice = Advice(
         study=study.study_name, budget=budget, plan=plan, params=params,
-        labels=layer_labels(space, layers, params), predicted=best, measured=measured_trial(report, plan),
-        observations=model.observations, margin=model.margin,
+        labels=space.layer_labels(params), predicted=best, measured=measured_trial(report, plan),
+        observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
+    )
+    if fastest is None or fastest.plan == plan or fastest.step_seconds is None:
+        return advice
+    seconds, how = _expected_seconds(advice)
+    if fastest.step_seconds >= seconds:
+        return advice
+    return _measured_advice(study, budget, model, space, fastest, (
+        f"{_described(fastest)} is faster than the model's plan ({plan.summary(advice.labels)}, {how})"
+    ))
+
+
+def _stored_space(study: optuna.Study, layers: int) -> Space:
+    """The search space the study was made with, over ``layers`` layers; a
+    :class:`StorageError` if it has none, or one that no longer validates (made by another
+    version of remat-search)."""
+    stored = study.user_attrs.get("space")
+    if stored is None:
+        raise StorageError(
+            f"study: {study.study_name!r} was not made by remat-search (it has no search space stored)"
+        )
+    try:
+        return Space.of(SpaceConfig.model_validate(stored), max(layers, 1))
+    except ValidationError as e:
+        raise StorageError(
+            f"study: {study.study_name!r} stores a search space that no longer validates "
+            f"({describe_validation_error(e, prefix='space')}); search again under a new study name"
+        ) from None
+
+
+def _expected_seconds(advice: Advice) -> tuple[float, str]:
+    """The advised plan's step time as the study knows it (its measurement where it has one,
+    else the prediction), and how it knows it; infinite where it was measured over the budget."""
+    m, predicted = advice.measured, advice.predicted
+    assert predicted is not None
+    if m is not None and m.peak_bytes is not None and m.peak_bytes > advice.budget:
+        return math.inf, f"trial {m.number}, measured over the budget at {format_bytes(m.peak_bytes)}"
+    if m is not None and m.status == "measured" and m.step_seconds is not None:
+        return m.step_seconds, f"trial {m.number}, measured at {format_seconds(m.step_seconds)}"
+    return predicted.seconds, f"predicted at {format_seconds(predicted.seconds)}"
+
+
+def _described(t: TrialResult) -> str:
+    assert t.peak_bytes is not None and t.step_seconds is not None
+    seconds, peak = format_seconds(t.step_seconds), format_bytes(t.peak_bytes)
+    return f"trial {t.number} ({t.summary()}) measured {seconds} at {peak}"
+
+
+def _measured_advice(
+    study: optuna.Study, budget: int, model: CostModel, space: Space, trial: TrialResult, reason: str
+) -> Advice:
+    """Advice of the measured ``trial``, priced by the model where it can be."""
+    assert trial.plan is not None
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    params = {name: str(value) for name, value in frozen.params.items()}
+    choices = space.choices(params)
+    return Advice(
+        study=study.study_name, budget=budget, plan=trial.plan, params=params, labels=trial.labels,
+        predicted=model.predict(choices) if choices is not None else None, measured=trial,
+        observations=model.observations, margin=model.margin, source="measured", reason=reason,
     )
 
 

@@ -72,7 +72,8 @@ def list_studies(storage: str | None = None) -> list[StudySummary]:
                 study=s.study_name,
                 budget=int(study.user_attrs.get("budget", 0)),
                 device=f"{device.get('platform', '?')} ({device.get('device_kind', '?')})",
-                complete=states.count(TrialState.COMPLETE),
+                # Screened-out plans are pruned: finished, though not measured.
+                complete=states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED),
                 failed=states.count(TrialState.FAIL),
                 running=states.count(TrialState.RUNNING),
                 fastest_seconds=min(front) if front else None,
@@ -103,9 +104,15 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
                         (t.peak_bytes / scale, t.step_seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
-    if over:
-        ax.scatter([t.peak_bytes / scale for t in over], [ax.get_ylim()[1]] * len(over), marker="x",
+    compiled = [t for t in over if t.measurement is not None and t.measurement.compiled]
+    top = ax.get_ylim()[1]
+    if compiled:
+        ax.scatter([t.peak_bytes / scale for t in compiled], [top] * len(compiled), marker="x",
                    color="tab:red", label="over budget (compiled, never run)")
+    screened = [t for t in over if t not in compiled and t.peak_bytes is not None]
+    if screened:  # a prediction, not a measurement: apart, and labelled as one
+        ax.scatter([t.peak_bytes / scale for t in screened], [top] * len(screened), marker="4",
+                   color="0.5", label="screened out: predicted peak, never compiled")
     if report.budget:
         ax.axvline(report.budget / scale, color="tab:red", linestyle="--", label="budget")
     ax.set_xlabel(f"compiled peak memory per device ({unit})")

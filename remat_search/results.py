@@ -107,7 +107,7 @@ def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> Tria
     measurement = (
         Measurement.model_validate_json(attrs[MEASUREMENT_ATTR]) if MEASUREMENT_ATTR in attrs else None
     )
-    if trial.state == TrialState.COMPLETE:
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):  # pruned: screened out, over budget
         status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
     elif trial.state == TrialState.FAIL:
         status = "interrupted" if attrs.get(FAILURE_ATTR) == INTERRUPTED else "failed"
@@ -188,11 +188,12 @@ class StudyReport(BaseModel):
         )
 
     def untimed_within(self, budget: int) -> list[TrialResult]:
-        """Plans that fit ``budget`` but were not timed: they exceeded the study's own budget."""
+        """Plans whose compiled peak fits ``budget`` but were not timed: they exceeded the
+        study's own budget. (A screened-out plan's peak is a prediction: not counted.)"""
         return [
             t for t in self.trials
-            if t.status == "over_budget" and t.reused_from is None
-            and t.peak_bytes is not None and t.peak_bytes <= budget
+            if t.status == "over_budget" and t.reused_from is None and t.measurement is not None
+            and t.measurement.compiled and t.peak_bytes is not None and t.peak_bytes <= budget
         ]
 
 
@@ -202,6 +203,7 @@ def study_report(study: optuna.Study) -> StudyReport:
     trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
     by_number = {t.number: t for t in trials}
     front, seen = [], set()
+    # optuna's front: complete, feasible trials, so never a screened-out plan (pruned, no values).
     for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):
         result = by_number[t.number]
         if result.plan is not None and result.plan.digest not in seen:

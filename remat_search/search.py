@@ -27,12 +27,20 @@ from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
-from remat_search.planner import Advice, advise, make_sampler, measured_trial, study_cost_model
+from remat_search.planner import (
+    Advice,
+    advise,
+    check_sampler,
+    make_sampler,
+    measured_trial,
+    record_prediction,
+    study_cost_model,
+)
 from remat_search.policy import POLICIES
 from remat_search.results import StudyReport, TrialResult, study_report
 from remat_search.runner import DeviceInfo, Runner
-from remat_search.space import check_space, layer_labels, param_names, preset_params, suggest_plan
-from remat_search.spec import SearchSpec, SpaceConfig
+from remat_search.space import Space
+from remat_search.spec import SearchSpec
 from remat_search.store import (
     CACHED_ATTR,
     FAILURE_ATTR,
@@ -44,6 +52,7 @@ from remat_search.store import (
     PID_ATTR,
     PLAN_ATTR,
     PREDICTION_ATTR,
+    QUEUED_ATTR,
     REUSED_ATTR,
     check_storage,
     load_study,
@@ -82,7 +91,9 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     """
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     workload = build_workload(spec.workload)
-    check_space(spec.space, layers=workload.layers, tensor_names=workload.tensor_names)
+    space = Space.of(spec.space, workload.layers)
+    space.check_names(workload.tensor_names)
+    check_sampler(spec.sampler)
     with runner_for(spec) as runner:
         device = runner.describe()
         offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
@@ -95,13 +106,13 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         storage = open_storage(spec.storage, create=True)
         with translate_errors(spec.storage):
             cache.create_table(storage.engine)
-            study = _open_study(spec, budget, storage, device, workload.layers)
-            _requeue_interrupted(study, n_params(spec.space, workload.layers))
+            study = _open_study(spec, budget, storage, device, space)
+            _requeue_interrupted(study, storage, space.n_params)
             if on_progress:
                 on_progress(finished_trials(study), spec.trials, None, device)
             # Counted afresh each time: other processes may be searching the same study.
             while (done := finished_trials(study)) < spec.trials:
-                result = _run_trial(spec, budget, study, runner, workload.layers, storage.engine, device)
+                result = _run_trial(spec, budget, study, runner, space, storage.engine, device)
                 if on_progress:
                     on_progress(done + 1, spec.trials, result, device)
             if spec.confirm.top and device.executes:
@@ -122,7 +133,7 @@ def _run_trial(
     budget: int,
     study: optuna.Study,
     runner: Runner,
-    layers: int,
+    space: Space,
     engine: sqlalchemy.Engine,
     device: DeviceInfo,
 ) -> TrialResult:
@@ -138,8 +149,9 @@ def _run_trial(
         trial.set_user_attr(HOST_ATTR, socket.gethostname())
         trial.set_user_attr(PID_ATTR, me.pid)
         trial.set_user_attr(STARTED_ATTR, me.create_time())
-        plan = suggest_plan(spec.space, layers, trial)
-        labels = layer_labels(spec.space, layers, trial.params)
+        plan = space.suggest(trial)
+        record_prediction(study, trial)
+        labels = space.layer_labels(trial.params)
         trial.set_user_attr(PLAN_ATTR, plan.to_json())
         trial.set_user_attr(LABELS_ATTR, list(labels))
         hit = cache.lookup(engine, device, plan.digest)
@@ -156,11 +168,11 @@ def _run_trial(
                 cached_from = f"{hit[1]}#{hit[2]}"
                 trial.set_user_attr(CACHED_ATTR, cached_from)
         else:
-            m = _screened(spec, study, trial, layers, plan, budget) or runner.measure(
+            m = _screened(spec, study, trial, space, plan, budget) or runner.measure(
                 plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
             )
     except BaseException:
-        _interrupt(study, study._storage.get_trial(trial._trial_id), n_params(spec.space, layers))
+        _interrupt(study, trial, space.n_params)
         raise
     if reused_from is None and cached_from is None:
         cache.store(engine, device, m, study=spec.study, trial=trial.number)
@@ -173,7 +185,7 @@ def _run_trial(
 
 
 def _screened(
-    spec: SearchSpec, study: optuna.Study, trial: optuna.Trial, layers: int, plan: RematPlan, budget: int
+    spec: SearchSpec, study: optuna.Study, trial: optuna.Trial, space: Space, plan: RematPlan, budget: int
 ) -> Measurement | None:
     """An over-budget measurement without a compile, where the study's cost model says the
     plan certainly needs more than ``spec.prescreen × budget`` (see
@@ -181,9 +193,9 @@ def _screened(
     own proposals (with a prediction) were chosen to fit by that model: never screened."""
     if spec.prescreen is None or plan.layout != "flat" or PREDICTION_ATTR in trial.user_attrs:
         return None
-    model = study_cost_model(study, spec.space, layers)
-    units = param_names(spec.space, layers)
-    prediction = model and model.certainly_over([str(trial.params[u]) for u in units], budget, spec.prescreen)
+    model = study_cost_model(study, space)
+    choices = space.choices(trial.params)
+    prediction = model and choices and model.certainly_over(choices, budget, spec.prescreen)
     if not prediction:
         return None
     return Measurement(status="over_budget", plan_digest=plan.digest, screened_bytes=round(prediction.peak))
@@ -203,11 +215,21 @@ def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:
-    """Store a measurement, the budget constraint last, and finish the trial."""
+    """Store a measurement, the budget constraint last, and finish the trial.
+
+    A plan screened out is a prediction, not a measurement: its trial is PRUNED, with no
+    objective values, so that nothing that reads the study's objectives (``best_trials``,
+    optuna-dashboard) takes it for one. The prediction stays in its measurement attribute
+    (``screened_bytes``); its constraint tells the samplers it is certainly over the budget
+    (TPE ranks a pruned trial with a violated constraint among the infeasible)."""
     trial.set_user_attr(MEASUREMENT_ATTR, m.model_dump_json())
     if m.status == "failed":
         trial.set_user_attr(FAILURE_ATTR, m.error or "unknown failure")
         study.tell(trial, state=TrialState.FAIL)
+        return
+    if m.screened_bytes is not None:
+        trial.set_constraint(BUDGET_CONSTRAINT, m.screened_bytes / budget - 1.0)
+        study.tell(trial, state=TrialState.PRUNED)
         return
     assert m.peak_bytes is not None
     seconds = m.step_seconds if m.status == "measured" else math.inf  # never run: no time
@@ -216,7 +238,7 @@ def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: in
 
 
 def _open_study(
-    spec: SearchSpec, budget: int, storage: optuna.storages.RDBStorage, device: DeviceInfo, layers: int
+    spec: SearchSpec, budget: int, storage: optuna.storages.RDBStorage, device: DeviceInfo, space: Space
 ) -> optuna.Study:
     """Load the spec's study, refusing one made by another spec or on other devices; or create
     it with the presets queued."""
@@ -236,11 +258,11 @@ def _open_study(
         for key, value in identity.items():
             study.set_user_attr(key, value)
         study.set_user_attr("device_info", device.model_dump())
-        study.set_user_attr(LAYERS_ATTR, layers)
-        queued = [t.system_attrs.get("fixed_params") for t in study.get_trials(deepcopy=False)]
-        for params in preset_params(spec.space, layers):
+        study.set_user_attr(LAYERS_ATTR, space.layers)
+        queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]
+        for params in space.presets():
             if params not in queued:
-                study.enqueue_trial(params)
+                _enqueue(study, params)
         study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
@@ -267,25 +289,41 @@ def _open_study(
     study.set_user_attr(SETTINGS_ATTR, settings)
     # Not the same seed as last time: a resumed search must not replay its proposals.
     study.sampler = make_sampler(
-        spec.sampler, space=spec.space, layers=layers, budget=budget, offset=len(study.get_trials(deepcopy=False))
+        spec.sampler, space=space, budget=budget, offset=len(study.get_trials(deepcopy=False))
     )
     return study
 
 
-def _requeue_interrupted(study: optuna.Study, n_params: int) -> None:
+def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.RDBStorage, n_params: int) -> None:
     """Fail trials whose search process is gone, and queue their plans again."""
+    study_id = storage.get_study_id_from_name(study.study_name)
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if _orphaned(trial):
-            _interrupt(study, trial, n_params)
+            # Another process's trial: no optuna.Trial here to write through, so the storage's.
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
+            _fail_and_requeue(study, trial, n_params)
 
 
-def _interrupt(study: optuna.Study, trial: optuna.trial.FrozenTrial, n_params: int) -> None:
-    """Fail ``trial`` as interrupted; queue its plan again if it had chosen all ``n_params``."""
-    study._storage.set_trial_user_attr(trial._trial_id, FAILURE_ATTR, INTERRUPTED)
+def _interrupt(study: optuna.Study, trial: optuna.Trial, n_params: int) -> None:
+    """Fail this process's ``trial`` as interrupted, and queue its plan again."""
+    trial.set_user_attr(FAILURE_ATTR, INTERRUPTED)
+    _fail_and_requeue(study, trial, n_params)
+
+
+def _fail_and_requeue(
+    study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial, n_params: int
+) -> None:
+    """Fail ``trial``; queue its plan again if it had chosen all ``n_params``."""
     study.tell(trial.number, state=TrialState.FAIL)
-    params = trial.system_attrs.get("fixed_params") or trial.params  # a queued preset, or sampled
+    params = trial.user_attrs.get(QUEUED_ATTR) or trial.params  # a queued preset, or sampled
     if len(params) == n_params:
-        study.enqueue_trial(params)
+        _enqueue(study, params)
+
+
+def _enqueue(study: optuna.Study, params: dict) -> None:
+    """Queue a plan's parameters, recorded as queued (:data:`store.QUEUED_ATTR`)."""
+    study.enqueue_trial(params, user_attrs={QUEUED_ATTR: params})
 
 
 def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
@@ -299,11 +337,6 @@ def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
         return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
     except psutil.NoSuchProcess:
         return True
-
-
-def n_params(space: SpaceConfig, layers: int) -> int:
-    """How many parameters a trial of ``space`` sets (its units, and its layout if nested)."""
-    return len(param_names(space, layers)) + (1 if space.nested else 0)
 
 
 def _plan_of(study: optuna.Study, number: int) -> str | None:
@@ -320,7 +353,7 @@ def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) ->
     had already queued run first."""
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     spec = spec_of_study(study, storage, trials=finished_trials(study) + waiting + 1, confirm={"top": 0})
-    study.enqueue_trial(params)  # after the plans already queued, which run first
+    _enqueue(study, params)  # after the plans already queued, which run first
     return run(spec)
 
 

@@ -211,9 +211,10 @@ class SpaceConfig(_Frozen):
 class SamplerConfig(_Frozen):
     """Which optuna sampler proposes plans (constraint-aware ones learn from the budget)."""
 
-    kind: Literal["planner", "tpe", "nsga2", "random"] = "planner"
+    kind: str = "planner"
     """``planner``: the cost model's best plans for the budget and along the front, then TPE
-    (see ``planner.py``); or one of optuna's samplers."""
+    (see ``planner.py``); or one of optuna's: ``tpe``, ``nsga2``, ``random`` (the names of
+    ``planner.SAMPLERS``, checked before a search writes anything)."""
     seed: int | None = 0
 
 

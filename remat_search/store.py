@@ -29,6 +29,10 @@ CONNECT_TIMEOUT_SECONDS = 10
 PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
 HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
 PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
+QUEUED_ATTR = "queued_params"
+"""The parameters a queued trial was enqueued with (``study.enqueue_trial(params, user_attrs=
+{QUEUED_ATTR: params})``): how the search and the planner tell a queued plan, which optuna
+keeps only in a private system attribute, before its parameters are suggested."""
 # Study user attributes.
 LAYERS_ATTR = "layers"
 LABELS_ATTR = "labels"

@@ -72,12 +72,11 @@ def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
 
 
 def finished_trials(study: optuna.Study) -> int:
-    """Trials that count towards ``spec.trials``: complete, or failed by the runner."""
-    return sum(
-        1
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED
-    )
+    """Trials that count towards ``spec.trials``: complete, screened out (pruned), or failed
+    by the runner."""
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    trials = study.get_trials(deepcopy=False, states=states)
+    return sum(1 for t in trials if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED)
 
 
 def changed_settings(stored: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

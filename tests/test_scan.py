@@ -16,14 +16,7 @@ from remat_search import LayerPolicy, RematPlan, SpecError
 from remat_search.measurement import CPU_COMPILER_OPTIONS, MemoryBreakdown, gradient_error
 from remat_search.mlp import MlpWorkload
 from remat_search.plan import apply_layers, scan_layers, segments
-from remat_search.space import (
-    check_space,
-    param_names,
-    plan_from_params,
-    preset_params,
-    suggest_plan,
-    unit_layers,
-)
+from remat_search.space import Space
 from remat_search.spec import MlpConfig, SpaceConfig, TransformerConfig, parse_spec
 from remat_search.transformer import TransformerWorkload
 from remat_search.workload import Workload
@@ -56,7 +49,7 @@ def scanned() -> TransformerWorkload:
 
 def test_segments_of_a_scanned_model_order_compiled_memory(scanned: TransformerWorkload) -> None:
     space = SpaceConfig(layout="segments", segments=2, choices=["none", "full"])
-    mixed = plan_from_params(space, 4, {"segment_00": "full", "segment_01": "none"})
+    mixed = Space.of(space, 4).plan({"segment_00": "full", "segment_01": "none"})
     assert mixed.layers == (FULL, FULL, NONE, NONE)
     assert segments(mixed) == [(0, 2, FULL), (2, 4, NONE)]
     full, none = RematPlan.uniform("full", 4), RematPlan.uniform("none", 4)
@@ -119,19 +112,19 @@ def test_nested_layout_matches_flat_gradients_in_less_memory() -> None:
 
 
 def test_segments_space_expands_groups_to_layers() -> None:
-    space = SpaceConfig(layout="segments", segments=3, choices=["none", "full"])
-    assert param_names(space, 7) == ["segment_00", "segment_01", "segment_02"]
-    assert unit_layers(space, 7) == [[0, 1, 2], [3, 4], [5, 6]]  # earlier groups take the remainder
-    plan = plan_from_params(space, 7, {"segment_00": "none", "segment_01": "full", "segment_02": "none"})
+    space = Space.of(SpaceConfig(layout="segments", segments=3, choices=["none", "full"]), 7)
+    assert space.units == ("segment_00", "segment_01", "segment_02")
+    assert space.unit_layers == ((0, 1, 2), (3, 4), (5, 6))  # earlier groups take the remainder
+    plan = space.plan({"segment_00": "none", "segment_01": "full", "segment_02": "none"})
     assert plan.layers == (NONE,) * 3 + (FULL,) * 2 + (NONE,) * 2 and plan.layout == "flat"
 
-    sized = SpaceConfig(layout="segments", segments=[1, 4, 2], choices=["none", "full"])
-    check_space(sized, layers=7, tensor_names=())
-    assert unit_layers(sized, 7) == [[0], [1, 2, 3, 4], [5, 6]]
-    assert preset_params(sized, 7)[1] == {"segment_00": "full", "segment_01": "full", "segment_02": "full"}
+    sized = Space.of(SpaceConfig(layout="segments", segments=[1, 4, 2], choices=["none", "full"]), 7)
+    sized.check_names(())
+    assert sized.unit_layers == ((0,), (1, 2, 3, 4), (5, 6))
+    assert sized.presets()[1] == {"segment_00": "full", "segment_01": "full", "segment_02": "full"}
 
-    assert unit_layers(SpaceConfig(layout="uniform", choices=["none"]), 3) == [[0, 1, 2]]
-    assert unit_layers(SpaceConfig(layout="per_layer", choices=["none"]), 3) == [[0], [1], [2]]
+    assert Space.of(SpaceConfig(layout="uniform", choices=["none"]), 3).unit_layers == ((0, 1, 2),)
+    assert Space.of(SpaceConfig(layout="per_layer", choices=["none"]), 3).unit_layers == ((0,), (1,), (2,))
 
 
 @pytest.mark.parametrize(
@@ -141,7 +134,7 @@ def test_segments_space_expands_groups_to_layers() -> None:
 def test_segments_that_do_not_fit_the_workload_are_spec_errors(segments: Any, message: str) -> None:
     space = SpaceConfig(layout="segments", segments=segments, choices=["none"])
     with pytest.raises(SpecError, match=rf"^spec\.space\.segments: {message}"):
-        check_space(space, layers=7, tensor_names=())
+        Space.of(space, 7)
 
 
 @pytest.mark.parametrize(
@@ -160,22 +153,22 @@ def test_segments_field_is_checked_with_the_layout(space: dict[str, Any], messag
 
 
 def test_nested_space_adds_a_layout_parameter_and_the_recursive_preset() -> None:
-    space = SpaceConfig(layout="per_layer", nested=True, choices=["full", "none"])
-    presets = preset_params(space, 3)
+    space = Space.of(SpaceConfig(layout="per_layer", nested=True, choices=["full", "none"]), 3)
+    presets = space.presets()
     assert presets == [
         {"layer_00": "full", "layer_01": "full", "layer_02": "full", "layout": "flat"},
         {"layer_00": "none", "layer_01": "none", "layer_02": "none", "layout": "flat"},
         {"layer_00": "none", "layer_01": "none", "layer_02": "none", "layout": "nested"},
     ]
-    recursive = plan_from_params(space, 3, presets[-1])
+    recursive = space.plan(presets[-1])
     assert recursive == RematPlan(layers=(NONE,) * 3, layout="nested")
     assert recursive.summary() == "nested: none×3"
-    assert plan_from_params(space, 3, {"layer_00": "full", "layer_01": "none", "layer_02": "none"}).layout == "flat"
-    assert param_names(space, 3) == ["layer_00", "layer_01", "layer_02"]
-    assert "layout" not in preset_params(SpaceConfig(layout="uniform", choices=["none"]), 3)[0]
+    assert space.plan({"layer_00": "full", "layer_01": "none", "layer_02": "none"}).layout == "flat"
+    assert space.units == ("layer_00", "layer_01", "layer_02") and space.n_params == 4
+    assert "layout" not in Space.of(SpaceConfig(layout="uniform", choices=["none"]), 3).presets()[0]
 
     trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
-    plan = suggest_plan(space, 3, trial)
+    plan = space.suggest(trial)
     assert set(trial.params) == {"layer_00", "layer_01", "layer_02", "layout"}
     assert plan.layout == trial.params["layout"]
 

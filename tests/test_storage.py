@@ -16,7 +16,7 @@ def _cli(*args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "REMAT_SEARCH_HOME": str(home)}
     env.pop("REMAT_SEARCH_STORAGE", None)
     return subprocess.run(
-        [sys.executable, "-m", "remat_search.cli", *args], cwd=cwd, env=env, text=True, capture_output=True,
+        [sys.executable, "-m", "remat_search.cli", *args], cwd=cwd, env=env, text=True, capture_output=True, check=False,
         timeout=300,
     )
 
@@ -50,3 +50,27 @@ def test_a_relative_storage_url_is_shown_resolved(tmp_path: Path) -> None:
     result = _cli("studies", "--storage", "sqlite:///nowhere/studies.db", cwd=tmp_path, home=tmp_path / "home")
     assert result.returncode == 2
     assert str(tmp_path / "nowhere" / "studies.db") in result.stderr, result.stderr
+
+
+def test_a_write_waits_for_another_processs_lock_instead_of_failing(tmp_path: Path) -> None:
+    """README: SQLite runs with a 60 s busy timeout. A writer holding the lock for 6 s (longer
+    than sqlite3's own 5 s default) delays a study's write; it does not fail it."""
+    import sqlite3
+    import threading
+
+    import optuna
+
+    from remat_search.store import open_storage
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    study = optuna.create_study(storage=open_storage(url, create=True), study_name="locked")
+    locker = sqlite3.connect(tmp_path / "studies.db", isolation_level=None, check_same_thread=False)
+    locker.execute("BEGIN IMMEDIATE")  # the write lock, as another process's transaction holds it
+    release = threading.Timer(6.0, lambda: locker.execute("COMMIT"))
+    release.start()
+    try:
+        study.set_user_attr("written", True)
+    finally:
+        release.join()
+        locker.close()
+    assert optuna.load_study(study_name="locked", storage=url).user_attrs == {"written": True}
