@@ -185,39 +185,54 @@ def run(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
         + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
-        f"--budget {size_argument(report.budget)} --json > plan.json"
+        f"--budget {size_argument(report.budget)} --json > plan.json", soft_wrap=True,  # a command: one line
     )
 
 
 def _search(loaded: Any) -> Any:
-    """Run the search of ``loaded`` with a progress bar; return its report."""
+    """Run the search of ``loaded``, telling its progress: in a terminal a bar that shows the
+    trial being measured; elsewhere (CI, nohup, a pipe) a line a trial. Return its report."""
     from remat_search.search import run as run_search
 
+    def lines(p: Any) -> list[str]:
+        if p.event == "result":
+            return [output.trial_line(p.trial, p.done, p.total)]
+        return output.progress_lines(p, loaded.study, budget_given=loaded.budget is not None)
+
+    if not output.console.is_terminal:
+        with _notes():
+            return run_search(loaded, on_progress=lambda p: _print(*lines(p)))
     with _notes(), Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=output.console, transient=False,
-    ) as progress:
-        task = progress.add_task("starting the worker…", total=loaded.trials)
+        TextColumn("{task.fields[best]}"), console=output.console, transient=False,
+    ) as bar:
+        task = bar.add_task("starting the worker…", total=loaded.trials, best="")
         best: list[float] = []
 
-        def on_progress(done: int, total: int, last: Any, device: Any) -> None:
-            if last is None:
-                progress.console.print(
-                    f"study [bold]{loaded.study}[/]: {done}/{total} trials done; compiling for "
-                    f"{device.target} = {device.device_count}× {device.device_kind}"
-                    + (f", mesh {device.mesh}" if device.mesh else "")
-                    + ("" if device.executes else " (compile only: step times are roofline estimates)")
-                )
-                if loaded.budget is None and device.memory_limit is not None:
-                    progress.console.print(output.budget_line(None, device.memory_limit), highlight=False)
-            elif last.status == "failed":
-                progress.console.print(f"[red]trial {last.number} failed:[/] {escape(last.error.splitlines()[0])}")
-            if last is not None and last.status == "measured" and last.step_seconds is not None:
-                best.append(last.step_seconds)
-            so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
-            progress.update(task, completed=done, description=f"searching · {so_far}")
+        def on_progress(p: Any) -> None:
+            if p.event != "trial" and (p.event != "result" or p.trial.status == "failed"):
+                _print(*lines(p), console=bar.console)
+            if p.event == "start":
+                bar.update(task, completed=p.done, description="searching")
+            elif p.event == "trial":
+                bar.update(task, description=output.running_text(p.trial))
+            elif p.event == "result":
+                if p.trial.status == "measured" and p.trial.step_seconds is not None:
+                    best.append(p.trial.step_seconds)
+                so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
+                bar.update(task, completed=p.done, best=so_far)
+            elif p.event == "confirm":
+                bar.update(task, description=f"confirming {p.plans} plans × {p.rounds} rounds")
+            elif p.event == "confirmed":
+                bar.update(task, description=f"confirmed {p.plans} plans")
 
         return run_search(loaded, on_progress=on_progress)
+
+
+def _print(*lines: str, console: Any = None) -> None:
+    """Print progress lines as they are: no markup, no wrapping (logs keep one line each)."""
+    for line in lines:
+        (console or output.console).print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -327,7 +342,8 @@ def confirm(
     limit = _budget(budget) if budget is not None else None
     with _notes():
         report, confirmed = confirm_study(
-            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage
+            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage,
+            on_progress=lambda p: _print(*output.progress_lines(p, study)),
         )
     if not confirmed:
         output.errors.print("only one plan that ran fits: there is nothing to order")

@@ -23,7 +23,7 @@ from remat_search.plan import RematPlan
 from remat_search.results import Confirmed, StudyReport, TrialResult, load_confirmations, study_report
 from remat_search.runner import Runner
 from remat_search.store import CONFIRMATION_ATTR, load_study, open_storage, translate_errors
-from remat_search.study import resolve_budget, runner_for, spec_of_study
+from remat_search.study import Progress, ProgressCallback, resolve_budget, runner_for, spec_of_study
 
 
 class Comparison(BaseModel):
@@ -89,7 +89,8 @@ def _is_preset(plan: RematPlan | None) -> bool:
 
 
 def confirm(
-    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int, presets: bool = True
+    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int, presets: bool = True,
+    on_progress: ProgressCallback | None = None,
 ) -> StudyReport:
     """Re-time the ``top`` fastest plans fitting ``budget`` interleaved (with ``presets``, and
     every uniform plan that fits: see :func:`candidates`); store and return the report.
@@ -97,8 +98,10 @@ def confirm(
     Only the latest session is kept: its plans rank among themselves by these medians (see
     :meth:`StudyReport.best`). Plans already confirmed together with at least ``rounds``
     rounds are not re-timed (re-running a finished search costs nothing). Fewer than two
-    plans that fit: nothing to order, nothing re-timed.
+    plans that fit: nothing to order, nothing re-timed. ``on_progress`` hears ``confirm``
+    before the re-timing and ``confirmed`` after it, or ``confirmed`` (reused) instead.
     """
+    tell = on_progress or (lambda _: None)
     report = study_report(study)
     chosen = candidates(report, budget, top, presets=presets)
     if len(chosen) < 2:
@@ -106,7 +109,10 @@ def confirm(
     done = load_confirmations(study)
     sessions = {done[t.number].session for t in chosen if t.number in done}
     if len(sessions) == 1 and all(t.number in done and done[t.number].rounds >= rounds for t in chosen):
+        stored = min(done[t.number].rounds for t in chosen)
+        tell(Progress(event="confirmed", plans=len(chosen), rounds=stored, reused=True))
         return report
+    tell(Progress(event="confirm", plans=len(chosen), rounds=rounds))
     times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds)
     if len(times) != len(chosen):
         raise RematSearchError("confirm: the worker returned times for another number of plans")
@@ -117,17 +123,18 @@ def confirm(
         str(t.number): Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
         for t, seconds in zip(chosen, times, strict=True)
     })
+    tell(Progress(event="confirmed", plans=len(chosen), rounds=rounds))
     return study_report(study)
 
 
 def confirm_study(
     study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, presets: bool = True,
-    storage: str | None = None,
+    storage: str | None = None, on_progress: ProgressCallback | None = None,
 ) -> tuple[StudyReport, list[TrialResult]]:
     """Confirm ``study_name``'s ``top`` plans (and, with ``presets``, its uniform plans) under
     ``budget`` (default: the study's) on this machine, as its last search measured them;
     return the report and the plans of this session that fit, fastest first (none when
-    fewer than two plans fit)."""
+    fewer than two plans fit). ``on_progress``: see :func:`confirm`."""
     opened = open_storage(storage)
     study = load_study(study_name, opened)
     with translate_errors(opened.url):
@@ -141,7 +148,8 @@ def confirm_study(
             )
         limit = resolve_budget(budget if budget is not None else spec.budget, device)
         report = confirm(
-            study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets
+            study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets,
+            on_progress=on_progress,
         )
     chosen = {t.number for t in candidates(report, limit, top, presets=presets)}
     confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]

@@ -14,6 +14,7 @@ from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudySummary
 from remat_search.results import StudyReport, TrialResult
+from remat_search.study import Progress
 from remat_search.units import format_bytes, format_seconds
 
 console = Console()
@@ -169,6 +170,58 @@ def budget_line(written: str | None, budget: int) -> str:
     return f"budget {written} = {format_bytes(budget)}"
 
 
+def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> list[str]:
+    """What a search's or a confirmation's event says, as lines (a trial's: :func:`trial_line`).
+    ``budget_given``: the spec gave a budget (already echoed), else the device's is said here."""
+    if p.event == "start" and p.device is not None and p.budget is not None:
+        d = p.device
+        lines = [
+            f"study {study}: {p.done}/{p.total} trials done; compiling for {d.target} = {d.device_count}× "
+            f"{d.device_kind}" + (f", mesh {d.mesh}" if d.mesh else "")
+            + ("" if d.executes else " (compile only: step times are roofline estimates)")
+        ]
+        if not budget_given:
+            lines.append(budget_line(None, p.budget))
+        if p.done >= p.total:
+            lines.append(
+                f"all {p.total} trials of the spec are stored: nothing to measure, the results below are the "
+                "stored ones (raise trials to search further)"
+            )
+        return lines
+    if p.event == "confirm":
+        return [f"confirming {p.plans} plans × {p.rounds} rounds, interleaved in one worker…"]
+    if p.event == "confirmed" and p.reused:
+        reused = f"confirmation: these {p.plans} plans were re-timed together before ({p.rounds} rounds): their "
+        return [reused + "stored times stand, nothing was re-timed"]
+    return []
+
+
+def trial_line(t: TrialResult, done: int, total: int) -> str:
+    """One finished trial in a line, for logs: number, plan, status, peak and step."""
+    m = t.measurement
+    status = "fits" if t.time_estimated else t.status
+    line = f"trial {t.number} ({done}/{total}) {t.summary()}: {status}"
+    if t.status == "failed":
+        return line + f": {(t.error or 'unknown failure').splitlines()[0]}"
+    if m is not None and m.screened_bytes is not None:
+        line += f", peak ~{format_bytes(m.screened_bytes)} predicted: not compiled, never run"
+    elif t.peak_bytes is not None:
+        line += f", peak {format_bytes(t.peak_bytes)}"
+        line += f", step {_seconds(t.step_seconds, estimated=t.time_estimated)}" if t.step_seconds else ": never run"
+    if t.reused_from is not None:
+        line += f" (= trial {t.reused_from}: the same plan, its measurement reused)"
+    if t.cached_from:
+        line += f" (cached from {t.cached_from}: not compiled again)"
+    return line
+
+
+def running_text(t: TrialResult) -> str:
+    """What the search is doing with a trial now, for a progress bar."""
+    if t.reused_from is not None or t.cached_from:
+        return f"trial {t.number}: reusing the measurement of {t.summary()}"
+    return f"trial {t.number}: compiling and timing {t.summary()}"
+
+
 def _gflop(flops: float) -> str:
     return f"{flops / 1e9:,.0f}" if flops >= 1e11 else f"{flops / 1e9:.2f}"
 
@@ -181,7 +234,8 @@ def _seconds(seconds: float | None, *, estimated: bool) -> str:
 
 def front_table(report: StudyReport) -> Table:
     return trials_table(
-        f"Pareto front of {report.study!r} (budget {format_bytes(report.budget)}, peak as % of it)",
+        f"Pareto front of {report.study!r} (budget {format_bytes(report.budget)}"
+        + ("" if _narrow() else ", peak as % of it") + ")",
         report.front, budget=report.budget,
     )
 

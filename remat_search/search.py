@@ -65,6 +65,8 @@ from remat_search.study import (
     IDENTITY_FIELDS,
     SETTINGS_ATTR,
     SETTINGS_FIELDS,
+    Progress,
+    ProgressCallback,
     changed_settings,
     finished_trials,
     resolve_budget,
@@ -80,15 +82,14 @@ STARTED_ATTR = "pid_started"
 INITIALIZED_ATTR = "initialized"
 ANCHOR_ATTR = "anchor_seconds"
 
-ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
-
-
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
     """Search ``spec`` until its study holds ``spec.trials`` finished trials; return the report.
 
-    ``on_progress(done, total, last_result, device)`` is called once before the first
-    trial (``last_result`` None) and after every trial.
+    ``on_progress`` hears a :class:`~remat_search.study.Progress` when the study is open
+    (``start``), before and after every trial (``trial``, ``result``) and around the
+    confirmation (``confirm``, ``confirmed``).
     """
+    tell = on_progress or (lambda _: None)
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     workload = build_workload(spec.workload)
     space = Space.of(spec.space, workload.layers)
@@ -108,18 +109,21 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, space)
             _requeue_interrupted(study, storage, space.n_params)
-            if on_progress:
-                on_progress(finished_trials(study), spec.trials, None, device)
+            tell(Progress(
+                event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget
+            ))
             # Counted afresh each time: other processes may be searching the same study.
             while (done := finished_trials(study)) < spec.trials:
-                result = _run_trial(spec, budget, study, runner, space, storage.engine, device)
-                if on_progress:
-                    on_progress(done + 1, spec.trials, result, device)
+                result = _run_trial(
+                    spec, budget, study, runner, space, storage.engine, device,
+                    begins=lambda t: tell(Progress(event="trial", done=done, total=spec.trials, trial=t)),
+                )
+                tell(Progress(event="result", done=done + 1, total=spec.trials, trial=result))
             if spec.confirm.top and device.executes:
                 try:
                     return confirm(
                         study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
-                        warmup=spec.timing.warmup, presets=spec.confirm.presets,
+                        warmup=spec.timing.warmup, presets=spec.confirm.presets, on_progress=on_progress,
                     )
                 except NoFeasiblePlan:
                     pass  # nothing ran within the budget: nothing to confirm
@@ -136,8 +140,11 @@ def _run_trial(
     space: Space,
     engine: sqlalchemy.Engine,
     device: DeviceInfo,
+    *,
+    begins: Callable[[TrialResult], None],
 ) -> TrialResult:
-    """Ask for one plan, measure it (or reuse its cached measurement), record it.
+    """Ask for one plan, measure it (or reuse its cached measurement), record it; ``begins``
+    hears the trial (status ``running``) once its plan is known, before it is measured.
 
     If anything interrupts it here (Ctrl-C, a worker that cannot restart), the trial is
     failed as interrupted and its plan queued again before the error goes on.
@@ -167,7 +174,11 @@ def _run_trial(
             else:
                 cached_from = f"{hit[1]}#{hit[2]}"
                 trial.set_user_attr(CACHED_ATTR, cached_from)
-        else:
+        begins(TrialResult(
+            number=trial.number, status="running", plan=plan, labels=labels, reused_from=reused_from,
+            cached_from=cached_from,
+        ))
+        if m is None:
             m = _screened(spec, study, trial, space, plan, budget) or runner.measure(
                 plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
             )

@@ -7,12 +7,15 @@ The orchestration that the search, confirmation and the planner share, below all
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import TrialState
+from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import SpecError, StorageError
+from remat_search.results import TrialResult
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.spec import SearchSpec, parse_spec, storage_home
 from remat_search.store import FAILURE_ATTR, INTERRUPTED
@@ -29,6 +32,35 @@ FIXED_SETTINGS = ("timing.anchor", "gradient_tolerance")
 is (a ratio to the anchor in the study's anchor seconds, or seconds alone) and
 ``gradient_tolerance`` which trials failed. The other settings change how well, or which,
 plans are measured next, never what a finished trial means: a resumed search may change them."""
+
+
+class Progress(BaseModel):
+    """What a search or a confirmation is doing, told to its ``on_progress`` callback.
+
+    - ``start``: the study is open: ``done`` of its ``total`` trials are finished (all of them
+      on a finished study's rerun), measured on ``device`` within ``budget``;
+    - ``trial``: ``trial`` (its number, plan and labels; status ``running``) is about to be
+      measured, or, with ``cached_from``/``reused_from``, a stored measurement reused for it;
+    - ``result``: it was recorded (``trial`` as stored), ``done`` of ``total``;
+    - ``confirm``: ``plans`` plans are about to be re-timed interleaved, ``rounds`` rounds;
+    - ``confirmed``: they were; with ``reused``, they had been re-timed together before with at
+      least ``rounds`` rounds, and those stored times stand: nothing was re-timed.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    event: Literal["start", "trial", "result", "confirm", "confirmed"]
+    done: int = 0
+    total: int = 0
+    device: DeviceInfo | None = None
+    budget: int | None = None
+    trial: TrialResult | None = None
+    plans: int = 0
+    rounds: int = 0
+    reused: bool = False
+
+
+ProgressCallback = Callable[[Progress], None]
 
 
 def runner_for(spec: SearchSpec) -> Runner:

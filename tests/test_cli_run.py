@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -108,3 +109,46 @@ def test_show_fits_the_terminal_and_cuts_no_cell(
         assert all(re.fullmatch(r"(none|full|dots|save_attn)(×\d)?", label) for label in plan), (number, plan)
         assert row[0][-1] in ("measured", "over_budget"), row  # the status word, whole
         assert len(row) <= (3 if columns == 80 else 1), row  # wrapped between labels, not one label a line
+
+
+def test_output_to_a_pipe_has_a_line_a_trial_and_the_confirmation(tiny_run: str) -> None:
+    """Not a terminal (CI, nohup): one line a trial as it finishes, then the confirmation phase."""
+    lines = tiny_run.splitlines()
+    assert lines[1] == "study tiny: 0/6 trials done; compiling for local = 1× cpu"
+    trial_lines = [line for line in lines if line.startswith("trial ")]
+    assert len(trial_lines) == 6, tiny_run
+    for done, line in enumerate(trial_lines, 1):
+        assert re.fullmatch(
+            rf"trial {done - 1} \({done}/6\) [\w×. ]+: measured, peak [\d.]+ [KM]iB, step [\d.]+ ms", line
+        ), line
+    confirming = lines.index("confirming 2 plans × 2 rounds, interleaved in one worker…")
+    assert lines.index(trial_lines[-1]) < confirming < next(i for i, line in enumerate(lines) if "Pareto" in line)
+
+
+def test_a_rerun_and_a_confirm_say_the_stored_results_are_reused(cli, tiny_search: tuple[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    spec = yaml.safe_load(tiny_search[1].read_text())
+    rerun = cli("run", str(tiny_search[1]))
+    assert rerun.exit_code == 0, rerun.stdout + rerun.stderr
+    assert "all 6 trials of the spec are stored: nothing to measure" in rerun.stdout
+    reused = "confirmation: these 2 plans were re-timed together before (2 rounds): their stored times stand"
+    assert reused in rerun.stdout and "trial 0" not in rerun.stdout
+    confirm = cli("confirm", "--study", "tiny", "--top", "2", "--rounds", "2", "--no-presets",
+                  "--storage", spec["storage"])
+    assert confirm.exit_code == 0, confirm.stdout + confirm.stderr
+    assert confirm.stdout.startswith(reused), confirm.stdout
+
+
+def test_in_a_terminal_the_bar_shows_the_plan_being_measured(
+    tiny_search: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One more trial of a copy of the study, as a terminal shows it (TTY_COMPATIBLE: rich draws its bar)."""
+    spec = yaml.safe_load(tiny_search[1].read_text())
+    for db in tiny_search[1].parent.glob("studies.db*"):
+        shutil.copy(db, tmp_path)
+    spec.update(trials=7, storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    out = search.communicate(timeout=300)[0]
+    assert search.returncode == 0, out
+    assert re.search(r"trial 6: (compiling and timing|reusing the measurement of) [\w×. ]+", out), out
+    assert "confirming 2 plans × 2 rounds" in out

@@ -18,6 +18,7 @@ import remat_search
 from remat_search import RematPlan
 from remat_search.measurement import measure
 from remat_search.spec import TimingConfig, parse_spec
+from remat_search.study import Progress
 from remat_search.units import format_bytes
 
 from .conftest import FAST_TIMING, spec_dict, write_spec
@@ -198,8 +199,8 @@ def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    def arm_before_the_first_trial(done: int, total: int, last: object, device: object) -> None:
-        if last is None:
+    def arm_before_the_first_trial(progress: Progress) -> None:
+        if progress.event == "start":
             signal.alarm(1)  # Ctrl-C while the first candidate is being measured
 
     previous = signal.signal(signal.SIGALRM, interrupt)
