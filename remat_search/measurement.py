@@ -323,8 +323,8 @@ def measure(
             estimated_seconds=roofline_seconds(build.cost, executables.chip), **seen,
         )
 
+    reference = executables.reference(budget)  # first, so that one training state is on the device at a time
     inputs, warmup = executables.inputs(), timing.warmup
-    reference = executables.reference(budget)
     if reference is None:
         needs = executables.build(executables.anchor_plan).memory
         seen["grad_skipped"] = (
