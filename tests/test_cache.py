@@ -150,6 +150,9 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     rows = [line for line in result.stdout.splitlines() if "×3" in line]
     assert "none×3" in rows[0] and "full×3" in rows[1]  # ranked by the confirmed medians
     assert "≈" not in result.stdout  # 20 ms slower in every round: not within noise
+    said = " ".join(result.stdout.split())
+    assert "holds the true ratio with 75% probability" in said  # 3 rounds: 1 − 2/2³, not 95%
+    assert "spread ±x%: half the (max − min) / median range of the plan's re-timed steps" in said
 
     stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["confirmation"]
     assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session
