@@ -373,9 +373,10 @@ def retime(
     """
     builds = [executables.build(plan) for plan in plans]
     for plan, build in zip(plans, builds, strict=True):
-        peak = build.memory.peak if build.memory is not None else None
-        if build.executable is None or (budget is not None and (peak is None or peak > budget)):
-            raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget or 0)} here: it is not run")
+        if build.executable is None:
+            raise ValueError(f"plan {plan.summary()} cannot run here (compiled for another target, or out of memory)")
+        if budget is not None and build.memory is not None and build.memory.peak > budget:
+            raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
     times, _ = _time_steps(
         [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
     )
