@@ -8,7 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from remat_search.confirm import compare_times
+from remat_search.confirm import compare_times, interval_order
 from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudySummary
@@ -49,7 +49,15 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             _gflop(m.flops) if m and m.flops is not None else "—",
             f"[{_STATUS_STYLE.get(t.status, '')}]{status}[/]",
         )
+    table.caption = SPREAD_NOTE
+    table.caption_justify = "left"
     return table
+
+
+SPREAD_NOTE = (
+    "spread ±x%: half the (max − min) / median range of the trial's timed repeats "
+    "(of its per-step ratios to the anchor where anchored)"
+)
 
 
 def _confirmed(t: TrialResult) -> str:
@@ -59,12 +67,14 @@ def _confirmed(t: TrialResult) -> str:
 
 def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     """The confirmed plans, fastest first, beside their search medians and ranks, each with
-    how much slower than the fastest it is (paired by round, with a 95% interval)."""
+    how much slower than the fastest it is (paired by round, with an interval whose real
+    coverage at that many rounds the header states)."""
     table = Table(
         title=f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", title_justify="left"
     )
-    columns = ("rank", "trial", "plan", "peak", "confirmed median", "spread", "vs fastest (95%)", "search median",
-               "search rank")
+    coverage = interval_order(len(confirmed[0].confirmed.times))[1] if confirmed[0].confirmed else 0.0
+    columns = ("rank", "trial", "plan", "peak", "confirmed median", "spread", f"vs fastest ({coverage:.0%} interval)",
+               "search median", "search rank")
     for column in columns:
         table.add_column(column, justify="left" if column == "plan" else "right")
     by_search = sorted(confirmed, key=lambda t: (t.step_seconds, t.number))
@@ -81,13 +91,18 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
             format_seconds(t.confirmed.median), f"±{t.confirmed.spread / 2:.0%}", versus,
             format_seconds(t.step_seconds) if t.step_seconds else "—", str(by_search.index(t) + 1),
         )
+    table.caption = (
+        "spread ±x%: half the (max − min) / median range of the plan's re-timed steps; vs fastest: the median of "
+        f"the per-round ratios to the fastest, with an interval that holds the true ratio with {coverage:.0%} "
+        "probability at this many rounds."
+    )
     if unresolved:
-        table.caption = (
-            "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference "
-            "(ranks follow the medians; the paired ratio may then fall on either side of 0). More rounds "
-            "(remat-search confirm --rounds 40) or a quieter machine tell them apart."
+        table.caption += (
+            f" ≈ within this machine's timing noise of the fastest: its {coverage:.0%} interval includes no "
+            "difference (ranks follow the medians; the paired ratio may then fall on either side of 0). More "
+            "rounds (remat-search confirm --rounds 40) or a quieter machine tell them apart."
         )
-        table.caption_justify = "left"
+    table.caption_justify = "left"
     return table
 
 
@@ -179,9 +194,16 @@ def describe_trial(t: TrialResult) -> str:
             f"{format_bytes(m.screened_bytes)}, more than prescreen × budget even allowing for its largest over-prediction"
         )
     if m and m.oom_required_bytes is not None:
+        needs = f"needs {format_bytes(m.oom_required_bytes)} per chip"
+        if m.oom_temp_bytes is not None:  # measurement schema 2 on: the peak in full
+            needs += (
+                f" (temporaries {format_bytes(m.oom_temp_bytes)}, as its error states, + arguments and outputs "
+                f"less aliased {format_bytes(m.oom_required_bytes - m.oom_temp_bytes)}, their per-chip sizes)"
+            )
+        else:
+            needs += " for its temporaries alone"
         lines.append(
-            f"  the compiler ran out of memory: temporaries need {format_bytes(m.oom_required_bytes)}, "
-            f"{format_bytes(m.oom_available_bytes or 0)} available"
+            f"  the compiler ran out of memory: it {needs}, {format_bytes(m.oom_available_bytes or 0)} available"
         )
     if m and m.step_times:
         lines.append(
@@ -211,7 +233,10 @@ def describe_trial(t: TrialResult) -> str:
     if t.cached_from:
         lines.append(f"  measurement reused from {t.cached_from} (same workload, plan and device)")
     if m and m.grad_rel_error is not None:
-        lines.append(f"  gradients vs no remat: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+        checked = "first step (state change and loss) vs full remat's" if m.grad_reference == "full" else "gradients vs no remat"
+        lines.append(f"  {checked}: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+    if m and m.grad_skipped:
+        lines.append(f"  gradients not checked: {m.grad_skipped}")
     if t.error:
         lines.append(f"  error: {t.error}")
     return "\n".join(line for line in lines if line)
