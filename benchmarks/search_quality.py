@@ -43,7 +43,7 @@ import optuna
 
 import remat_search
 from remat_search.confirm import compare_times
-from remat_search.measurement import measure
+from remat_search.measurement import Executables, measure
 from remat_search.runner import Runner
 from remat_search.spec import TimingConfig, parse_spec
 from remat_search.units import format_bytes
@@ -160,8 +160,8 @@ def _no_remat_peak() -> int:
     from remat_search.transformer import TransformerWorkload
 
     workload = TransformerWorkload(TransformerConfig.model_validate(WORKLOAD))
-    m = measure(workload, remat_search.RematPlan.uniform("none", workload.layers), budget=1,
-                timing=TimingConfig(), gradient_tolerance=1.0, reference_grads=lambda: None)
+    m = measure(Executables(workload), remat_search.RematPlan.uniform("none", workload.layers), budget=1,
+                timing=TimingConfig(), gradient_tolerance=1.0)
     return m.peak_bytes
 
 

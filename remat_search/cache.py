@@ -2,8 +2,10 @@
 
 A measurement depends on the workload (its shapes' fingerprint and its step's jaxpr, so an
 edit to the model's code is a new workload), the plan (its digest), where it
-was compiled (target and mesh), the device kind, the JAX version and the compiler options
-(XLA flags included) — that tuple is the key of our own table, ``remat_search_measurements``,
+was compiled (target and mesh), the device kind, the JAX version, the compiler options
+(XLA flags included), libtpu's version for TPU (the compiler) and what a measurement means
+(:data:`~remat_search.measurement.MEASUREMENT_SCHEMA`) — that tuple is the key of our own
+table, ``remat_search_measurements``,
 in the same database as optuna's tables. A new study with another budget, a re-run of a
 finished search, or another host searching the same workload reuses every measurement in
 it; :func:`reuse` re-judges a cached measurement against the new budget and tolerance.
@@ -17,7 +19,7 @@ import json
 
 import sqlalchemy as sa
 
-from remat_search.measurement import Measurement
+from remat_search.measurement import Measurement, gradient_failure
 from remat_search.runner import DeviceInfo
 
 metadata = sa.MetaData()
@@ -41,6 +43,9 @@ measurements = sa.Table(
 def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     """The key columns of one plan's measurement on ``device``."""
     backend = json.dumps({"target": device.target, "platform": device.platform, "mesh": device.mesh}, sort_keys=True)
+    compiler = json.dumps({
+        "options": device.compiler_options, "libtpu": device.compiler_version, "schema": device.measurement_schema,
+    }, sort_keys=True)
     return {
         "workload": device.workload_fingerprint,
         "program": device.program_fingerprint,
@@ -48,7 +53,7 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
         "backend": backend,
         "device_kind": device.device_kind,
         "jax_version": device.jax_version,
-        "compiler_options": hashlib.sha256(device.compiler_options.encode()).hexdigest()[:16],
+        "compiler_options": hashlib.sha256(compiler.encode()).hexdigest()[:16],
     }
 
 
@@ -122,7 +127,8 @@ def reuse(
     if peak > budget:
         return m.model_copy(update={
             "status": "over_budget", "step_times": (), "anchor_times": (), "time_source": None, "estimated_seconds": None,
-            "grad_max_abs_error": None, "grad_rel_error": None, "grad_reference": None, "error": None,
+            "grad_max_abs_error": None, "grad_rel_error": None, "grad_reference": None, "grad_skipped": None,
+            "error": None,
         })
     if m.status != "measured" or (
         m.time_source == "measured" and (len(m.step_times) < repeats or (anchored and not m.anchor_times))
@@ -130,8 +136,6 @@ def reuse(
         return None
     if m.grad_rel_error is not None and not m.grad_rel_error <= gradient_tolerance:
         return m.model_copy(update={
-            "status": "failed",
-            "error": f"gradients differ from those of plan {m.grad_reference!r}: relative error "
-            f"{m.grad_rel_error:.3g} > gradient_tolerance {gradient_tolerance:g}",
+            "status": "failed", "error": gradient_failure(m.grad_rel_error, m.grad_reference, gradient_tolerance),
         })
     return m

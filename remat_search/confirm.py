@@ -32,7 +32,7 @@ class Comparison(BaseModel):
     Round ``i`` of both plans ran back to back, under the same machine mood, so the ratio of
     round ``i``'s times cancels what drifts between rounds; :attr:`ratio` is the median of
     those per-round ratios and ``low``…``high`` a distribution-free confidence interval for
-    it (order statistics of the ratios, :data:`CONFIDENCE`).
+    it (order statistics of the ratios) whose real :attr:`coverage` depends on the rounds.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -40,6 +40,9 @@ class Comparison(BaseModel):
     ratio: float
     low: float
     high: float
+    coverage: float
+    """The probability that ``low``…``high`` holds the true median ratio (rounds independent):
+    at least :data:`CONFIDENCE` from 6 rounds on; 1 − 2^(1−n) below (0 at 1 round, 94% at 5)."""
 
     @property
     def resolved(self) -> bool:
@@ -50,24 +53,33 @@ class Comparison(BaseModel):
 CONFIDENCE = 0.95
 
 
-def compare_times(times: Sequence[float], reference: Sequence[float], confidence: float = CONFIDENCE) -> Comparison:
-    """``times`` against ``reference``, paired round by round (see :class:`Comparison`).
-
-    The interval is ``[r_(k), r_(n+1-k)]`` of the sorted ratios with the largest ``k`` whose
-    binomial tail keeps the coverage; with fewer than six rounds no such ``k`` exists and it
-    is the whole range of the ratios (less than 95% sure).
-    """
-    ratios = sorted(a / b for a, b in zip(times, reference, strict=True))
-    n = len(ratios)
-    if not n:
+def interval_order(rounds: int, confidence: float = CONFIDENCE) -> tuple[int, float]:
+    """``(k, coverage)`` of the interval ``[r_(k), r_(n+1-k)]`` of ``rounds`` sorted ratios: the
+    largest ``k`` whose coverage, 1 − 2·P(Binomial(n, 1/2) ≤ k−1), is at least ``confidence``
+    (``k = 1``, the whole range, when none is), and that coverage."""
+    if rounds < 1:
         raise ValueError("compare_times needs at least one round")
     tail, k = 0.0, 1
-    for j in range(n // 2):  # P(Binomial(n, 1/2) <= j): how often r_(j+1) lies above the median
-        tail += math.comb(n, j) / 2**n
+    for j in range(rounds // 2):  # tail = P(Binomial(n, 1/2) <= j): how often r_(j+1) lies above the median
+        tail += math.comb(rounds, j) / 2**rounds
         if tail > (1 - confidence) / 2:
             break
         k = j + 1
-    return Comparison(ratio=statistics.median(ratios), low=ratios[k - 1], high=ratios[n - k])
+    below = sum(math.comb(rounds, j) for j in range(k)) / 2**rounds  # P(Binomial(n, 1/2) <= k - 1)
+    return k, 1 - 2 * below
+
+
+def compare_times(times: Sequence[float], reference: Sequence[float], confidence: float = CONFIDENCE) -> Comparison:
+    """``times`` against ``reference``, paired round by round (see :class:`Comparison`).
+
+    The interval is ``[r_(k), r_(n+1-k)]`` of the sorted ratios with ``k`` from
+    :func:`interval_order`; with fewer than six rounds it is the whole range of the ratios,
+    and its coverage, which the result states, is less than 95%.
+    """
+    ratios = sorted(a / b for a, b in zip(times, reference, strict=True))
+    n = len(ratios)
+    k, coverage = interval_order(n, confidence)
+    return Comparison(ratio=statistics.median(ratios), low=ratios[k - 1], high=ratios[n - k], coverage=coverage)
 
 
 def candidates(report: StudyReport, budget: int, top: int, *, presets: bool = True) -> list[TrialResult]:
@@ -113,7 +125,7 @@ def confirm(
         tell(Progress(event="confirmed", plans=len(chosen), rounds=stored, reused=True))
         return report
     tell(Progress(event="confirm", plans=len(chosen), rounds=rounds))
-    times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds)
+    times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds, budget=budget)
     if len(times) != len(chosen):
         raise RematSearchError("confirm: the worker returned times for another number of plans")
     # Medians of one session compare; those of another, on a machine in another mood, do not:

@@ -1,18 +1,24 @@
 """Measuring one plan: compile, read memory from the compiler, and only if it fits, run it.
 
-:func:`measure` runs inside a worker process (see ``runner.py``). It lowers and compiles
-the workload's step under the plan, takes the peak from ``Compiled.memory_analysis()``,
-and returns at once when the peak exceeds the budget: a plan that does not fit is never
-executed. A plan that fits has its gradients checked against the no-remat plan and its
-step timed (warm-up, then repeats; median, min and spread).
+:func:`measure` runs inside a worker process (see ``runner.py``) with the worker's
+:class:`Executables`, which compile each plan's step once per worker, whatever the budget.
+The peak comes from ``Compiled.memory_analysis()``; a plan whose peak exceeds the budget is
+never executed. A plan that fits runs its first step on fresh inputs, and the change that step
+makes to the training state (and its loss) is checked against the reference's first step: full
+remat, the same mathematics in the least memory, run only where it fits the budget too. That
+step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
+step of the anchor (full remat again). :func:`retime` re-times kept executables interleaved.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -21,6 +27,16 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from remat_search.plan import RematPlan
 from remat_search.spec import TimingConfig
 from remat_search.target import Chip, out_of_memory, roofline_seconds
+from remat_search.units import format_bytes
+
+MEASUREMENT_SCHEMA = 2
+"""What a measurement means, as a number the measurement cache is keyed by: bump it when that
+changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
+made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
+peaks of temporaries only. 2: the measured executable's first step checked against full
+remat's, run only within the budget; out-of-memory peaks in full."""
+KEPT_EXECUTABLES = 64
+"""How many compiled steps a worker keeps (least recently used dropped first), besides the anchor."""
 
 Status = Literal["measured", "over_budget", "failed"]
 
@@ -84,7 +100,12 @@ class Measurement(BaseModel):
     plan_digest: str
     memory: MemoryBreakdown | None = None
     oom_required_bytes: int | None = None
-    """From the compiler's own out-of-memory error (TPU): bytes its temporaries need…"""
+    """Where the compiler ran out of memory (TPU): the bytes one chip needs in full, to compare
+    with other plans' peaks: the temporaries its error states (:attr:`oom_temp_bytes`) plus
+    the program's per-chip arguments and outputs less the donated arguments they alias
+    (logical sizes, before the TPU pads them to tiles, so a lower bound)…"""
+    oom_temp_bytes: int | None = None
+    """…the temporaries alone, as the compiler's error states them…"""
     oom_available_bytes: int | None = None
     """…and the HBM it had for them."""
     screened_bytes: int | None = None
@@ -108,14 +129,18 @@ class Measurement(BaseModel):
     grad_max_abs_error: float | None = None
     grad_rel_error: float | None = None
     grad_reference: Literal["none", "full"] | None = None
-    """The plan whose gradients this plan's were checked against (``full`` when no remat
-    does not fit the device)."""
+    """The plan whose first step this plan's was checked against: ``full`` (full remat). In
+    measurements of schema 1 (see :data:`MEASUREMENT_SCHEMA`), ``none``: gradients of no remat."""
+    grad_skipped: str | None = None
+    """Why a plan that ran was not checked: the reference does not fit the budget, and
+    nothing over the budget is run."""
     error: str | None = None
 
     @property
     def peak_bytes(self) -> int | None:
-        """Peak device bytes (per chip) as compiled, or as predicted for a screened plan; None
-        when the compile did not get that far."""
+        """Peak device bytes (per chip) as compiled; where the compiler ran out of memory, the
+        bytes it needs in full (:attr:`oom_required_bytes`); for a screened plan, as predicted;
+        None when the compile did not get that far."""
         if self.memory:
             return self.memory.peak
         return self.oom_required_bytes if self.oom_required_bytes is not None else self.screened_bytes
@@ -164,74 +189,159 @@ def relative_spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def measure(
-    workload: Any,
-    plan: RematPlan,
-    *,
-    budget: int,
-    timing: TimingConfig,
-    gradient_tolerance: float,
-    reference_grads: Callable[[], Any],
-    anchor: Callable[[], Any] | None = None,
-    mesh: Any = None,
-    chip: Chip | None = None,
-) -> Measurement:
-    """Compile ``plan`` for ``workload``; run, check and time it only if it fits ``budget``.
+@dataclass(frozen=True)
+class Build:
+    """One plan compiled for the worker's devices: what the compiler said, and the executable
+    (None where nothing runs here, or where the compiler ran out of memory)."""
 
-    Over a ``mesh`` inputs are sharded and memory is per device. With a ``chip`` (a TPU
-    target compiled ahead of time) nothing runs: the step time is a roofline estimate.
-    ``reference_grads`` returns the no-remat gradients (computed once, when first needed);
-    ``anchor`` the compiled anchor plan (see :func:`compile_anchor`) to time alternately with
-    the plan, or None to time the plan alone.
-    Exceptions other than the compiler's out-of-memory propagate: the worker turns them
-    into a failed measurement with the reason.
+    executable: Any | None
+    seconds: float
+    """Lowering and compiling, in seconds."""
+    memory: MemoryBreakdown | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+    oom: tuple[int, int, int] | None = None
+    """(bytes needed in full, temporaries, available) from the compiler's out-of-memory error."""
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What an executable's first step did to fresh inputs, on the host: the change to each
+    leaf of the training state (new − initial; an optimizer's moments carry the gradients),
+    and the loss."""
+
+    change: Any
+    loss: float
+
+
+class Executables:
+    """The compiled training steps of one workload in one worker process, by plan digest.
+
+    Each plan is lowered and compiled once per worker, whatever the budget: the verdict
+    against a budget reads the kept figures, and the gradient check, the timing and
+    confirmation (:func:`retime`) run the executable that was measured. The worker keeps
+    at most ``capacity`` executables, the least recently used dropped first (a plan dropped
+    and asked for again is compiled again), and the anchor's besides. Where nothing runs (a
+    TPU target compiled ahead of time) only the compiler's figures are kept. The reference's
+    first step (see :meth:`reference`) is computed at most once and kept on the host. A new
+    worker (after a crash or a timeout) starts empty.
     """
-    import jax
 
-    cpu = chip is None and jax.default_backend() == "cpu"
-    start = time.perf_counter()
-    try:
-        compiled = _compile(workload, plan, mesh, cpu=cpu)
-    except Exception as e:
-        oom = out_of_memory(e)
-        if oom is None:
-            raise
-        return Measurement(
-            status="over_budget", plan_digest=plan.digest, compile_seconds=time.perf_counter() - start,
-            oom_required_bytes=oom[0], oom_available_bytes=oom[1],
+    def __init__(self, workload: Any, *, mesh: Any = None, chip: Chip | None = None,
+                 capacity: int = KEPT_EXECUTABLES) -> None:
+        import jax
+
+        self.workload, self.mesh, self.chip, self.capacity = workload, mesh, chip, capacity
+        self.cpu = chip is None and jax.default_backend() == "cpu"
+        self.anchor_plan = anchor_plan(workload.layers)
+        self._kept: OrderedDict[str, Build] = OrderedDict()
+        self._anchor: Build | None = None
+        self._reference: FirstStep | None = None
+
+    def build(self, plan: RematPlan) -> Build:
+        """``plan`` compiled: kept from before, or compiled now. Exceptions other than the
+        compiler's out-of-memory propagate (and nothing is kept)."""
+        if plan.digest == self.anchor_plan.digest:
+            if self._anchor is None:
+                self._anchor = self._compile(plan)
+            return self._anchor
+        kept = self._kept.pop(plan.digest, None) or self._compile(plan)
+        self._kept[plan.digest] = kept
+        if len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+        return kept
+
+    def anchor(self, budget: int) -> Build | None:
+        """The anchor plan compiled, or None where its peak exceeds ``budget`` (it is not run)."""
+        build = self.build(self.anchor_plan)
+        return build if build.memory is not None and build.memory.peak <= budget else None
+
+    def reference(self, budget: int) -> FirstStep | None:
+        """Full remat's first step on fresh inputs, the reference every plan's is checked
+        against; None where full remat does not fit ``budget`` (it is not run)."""
+        anchor = self.anchor(budget)
+        if anchor is None:
+            return None
+        if self._reference is None:
+            _, self._reference = first_step(anchor.executable, self.inputs())
+        return self._reference
+
+    def inputs(self) -> tuple[Any, Any]:
+        """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
+        import jax
+
+        inputs = self.workload.inputs()
+        return inputs if self.mesh is None else jax.device_put(inputs, self.workload.shardings(self.mesh))
+
+    def _compile(self, plan: RematPlan) -> Build:
+        workload, mesh = self.workload, self.mesh
+        start = time.perf_counter()
+        abstract = workload.abstract_inputs(mesh)
+        lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
+        try:
+            compiled = lowered.compile(compiler_options=compiler_options(self.cpu) or None)
+        except Exception as e:
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
+            temp, available = oom
+            return Build(None, time.perf_counter() - start, oom=(temp + io_bytes(lowered, abstract), temp, available))
+        return Build(
+            None if self.chip is not None else compiled, time.perf_counter() - start,
+            memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
         )
-    cost = _cost(compiled)
+
+
+def measure(
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+) -> Measurement:
+    """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
+    only if it fits ``budget``.
+
+    Over the executables' mesh inputs are sharded and memory is per device. For a TPU
+    target compiled ahead of time (a ``chip``) nothing runs: the step time is a roofline
+    estimate. With ``timing.anchor`` each timed step follows one of the anchor's (full remat),
+    where the anchor fits the budget; else the plan is timed alone. Exceptions other than the
+    compiler's out-of-memory propagate: the worker turns them into a failed measurement.
+    """
+    build = executables.build(plan)
+    if build.oom is not None:
+        required, temp, available = build.oom
+        return Measurement(
+            status="over_budget", plan_digest=plan.digest, compile_seconds=build.seconds,
+            oom_required_bytes=required, oom_temp_bytes=temp, oom_available_bytes=available,
+        )
+    assert build.memory is not None
     seen: dict[str, Any] = {
-        "plan_digest": plan.digest,
-        "compile_seconds": time.perf_counter() - start,
-        "memory": MemoryBreakdown.of(compiled, trust_compiler_peak=not cpu),
-        "flops": cost.get("flops"),
-        "bytes_accessed": cost.get("bytes accessed"),
+        "plan_digest": plan.digest, "compile_seconds": build.seconds, "memory": build.memory,
+        "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
     }
-    if seen["memory"].peak > budget:
+    if build.memory.peak > budget:
         return Measurement(status="over_budget", **seen)
-    if chip is not None:
+    if executables.chip is not None:
         return Measurement(
-            status="measured", time_source="estimated", estimated_seconds=roofline_seconds(cost, chip), **seen
+            status="measured", time_source="estimated",
+            estimated_seconds=roofline_seconds(build.cost, executables.chip), **seen,
         )
 
-    state, batch = workload.inputs()
-    reference, reference_plan = reference_grads()
-    abs_error, rel_error = gradient_error(workload.grad(plan)(state[0], batch), reference)
-    seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference=reference_plan)
-    if not rel_error <= gradient_tolerance:
-        return Measurement(
-            status="failed",
-            error=f"gradients differ from those of plan {reference_plan!r}: relative error "
-            f"{rel_error:.3g} > gradient_tolerance {gradient_tolerance:g}",
-            **seen,
+    reference = executables.reference(budget)  # first, so that one training state is on the device at a time
+    inputs, warmup = executables.inputs(), timing.warmup
+    if reference is None:
+        needs = executables.build(executables.anchor_plan).memory
+        seen["grad_skipped"] = (
+            f"the reference, full remat, needs {format_bytes(needs.peak) if needs else 'more'} "
+            f"> budget {format_bytes(budget)}, and nothing over the budget is run"
         )
+    else:
+        inputs, first = first_step(build.executable, inputs)
+        abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
+        seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full")
+        if not rel_error <= gradient_tolerance:
+            return Measurement(status="failed", error=gradient_failure(rel_error, "full", gradient_tolerance), **seen)
+        warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
 
-    anchored = anchor() if anchor is not None else None
-    executables = [compiled] if anchored is None else [anchored, compiled]  # the plan steps last
-    (*anchor_times, times), loss = _time_steps(
-        executables, workload, mesh, warmup=timing.warmup, rounds=timing.repeats, inputs=(state, batch)
-    )
+    anchor = executables.anchor(budget) if timing.anchor else None
+    steps = [build.executable] if anchor is None else [anchor.executable, build.executable]  # the plan's last
+    (*anchor_times, times), loss = _time_steps(steps, inputs, warmup=warmup, rounds=timing.repeats)
     if not math.isfinite(loss):
         return Measurement(status="failed", error=f"loss is {loss} after the timed steps", **seen)
     return Measurement(
@@ -240,61 +350,112 @@ def measure(
     )
 
 
-def retime(workload: Any, plans: list[RematPlan], *, warmup: int, rounds: int, mesh: Any = None) -> list[tuple[float, ...]]:
-    """Time ``plans`` interleaved — A B C A B C … — so that a slow spell of a shared machine
-    slows them all alike; return each plan's step times.
+def gradient_failure(rel_error: float, reference: str | None, tolerance: float) -> str:
+    """The reason a plan fails the gradient check."""
+    return (
+        f"the state change and loss of its first step differ from those of plan {reference!r}: "
+        f"relative error {rel_error:.3g} > gradient_tolerance {tolerance:g}"
+    )
 
-    One training state passes from step to step (every plan's step has the same
-    signature), so only one lives on the device. Used to confirm a search's ranking.
+
+def retime(
+    executables: Executables, plans: list[RematPlan], *, warmup: int, rounds: int,
+    budget: int | None = None, seed: int = 0,
+) -> list[tuple[float, ...]]:
+    """Time ``plans`` interleaved, each round in an order shuffled by a ``seed``-ed generator,
+    so that a slow spell of a shared machine slows them all alike and no plan always follows
+    the same one; return each plan's step times.
+
+    The worker's kept executables run (see :class:`Executables`). One training state passes
+    from step to step (every plan's step has the same signature), so only one lives on the
+    device. A plan over ``budget``, or one that cannot run here, raises ``ValueError``: it is
+    never run. Used to confirm a search's ranking.
     """
-    import jax
-
-    cpu = jax.default_backend() == "cpu"
-    compiled = [_compile(workload, plan, mesh, cpu=cpu) for plan in plans]
-    times, _ = _time_steps(compiled, workload, mesh, warmup=warmup, rounds=rounds, inputs=workload.inputs())
+    builds = [executables.build(plan) for plan in plans]
+    for plan, build in zip(plans, builds, strict=True):
+        if build.executable is None:
+            raise ValueError(f"plan {plan.summary()} cannot run here (compiled for another target, or out of memory)")
+        if budget is not None and build.memory is not None and build.memory.peak > budget:
+            raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
+    times, _ = _time_steps(
+        [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
+    )
     return times
 
 
 def anchor_plan(layers: int) -> RematPlan:
-    """The plan every candidate is timed against (``timing.anchor``): full remat, which runs
-    in the least memory of the policies that keep everything on the device."""
+    """The plan every candidate is timed against (``timing.anchor``) and checked against:
+    full remat, which runs in the least memory of the policies that keep everything on the
+    device."""
     return RematPlan.uniform("full", layers)
 
 
-def compile_anchor(workload: Any, *, budget: int, mesh: Any = None) -> Any | None:
-    """The anchor plan compiled, or None where its peak exceeds ``budget`` (it would not be
-    run, so candidates are timed alone)."""
-    import jax
-
-    cpu = jax.default_backend() == "cpu"
-    compiled = _compile(workload, anchor_plan(workload.layers), mesh, cpu=cpu)
-    return compiled if MemoryBreakdown.of(compiled, trust_compiler_peak=not cpu).peak <= budget else None
-
-
-def _compile(workload: Any, plan: RematPlan, mesh: Any, *, cpu: bool) -> Any:
-    step = workload.step(plan) if mesh is None else workload.step(plan, mesh)
-    return step.lower(*workload.abstract_inputs(mesh)).compile(compiler_options=compiler_options(cpu) or None)
-
-
-def _time_steps(
-    compiled: list[Any], workload: Any, mesh: Any, *, warmup: int, rounds: int, inputs: tuple[Any, Any]
-) -> tuple[list[tuple[float, ...]], float]:
-    """Run each executable in turn, ``warmup + rounds`` times, on ``inputs`` (the one state
-    the device holds: each step donates it); the timed seconds of each, and the last loss."""
+def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any], FirstStep]:
+    """Run ``executable`` once on ``inputs`` (which it donates); the new ``(state, batch)``,
+    still on the devices, and what the step did (on the host)."""
     import jax
 
     state, batch = inputs
-    if mesh is not None:
-        state, batch = jax.device_put((state, batch), workload.shardings(mesh))
-    times: list[list[float]] = [[] for _ in compiled]
+    before = jax.device_get(state)
+    state, loss = executable(state, batch)
+    change = jax.tree.map(_change, jax.device_get(state), before)
+    return (state, batch), FirstStep(change=change, loss=float(loss))
+
+
+def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """new − initial, computed in float64 and kept as float32 (float64 for 64-bit leaves)."""
+    after = np.asarray(after)
+    delta = after.astype(np.float64) - np.asarray(before).astype(np.float64)
+    return delta if after.dtype.itemsize > 4 else delta.astype(np.float32)
+
+
+def io_bytes(lowered: Any, abstract: Any) -> int:
+    """Per-chip bytes of a lowered program's arguments and outputs, less the donated arguments
+    that outputs of the same shape alias: what the TPU compiler's out-of-memory error leaves
+    out of the bytes it needs. Logical sizes (before the TPU pads arrays to tiles)."""
+    import jax
+
+    def shard(a: Any) -> tuple[tuple[int, ...], str]:
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+        return tuple(shape), str(np.dtype(a.dtype))
+
+    def nbytes(key: tuple[tuple[int, ...], str]) -> int:
+        return math.prod(key[0]) * np.dtype(key[1]).itemsize
+
+    args = [shard(a) for a in jax.tree.leaves(abstract)]
+    donated = [info.donated for info in jax.tree.leaves(lowered.args_info)]
+    free = Counter(key for key, d in zip(args, donated, strict=True) if d)
+    total = sum(map(nbytes, args))
+    for key in (shard(o) for o in jax.tree.leaves(lowered.out_info)):
+        total += nbytes(key)
+        if free[key]:  # a donated argument's buffer holds this output
+            free[key] -= 1
+            total -= nbytes(key)
+    return total
+
+
+def _time_steps(
+    steps: list[Any], inputs: tuple[Any, Any], *, warmup: int, rounds: int, order: random.Random | None = None
+) -> tuple[list[tuple[float, ...]], float]:
+    """Run each executable in turn, ``warmup + rounds`` times, from ``inputs`` (the one state
+    the device holds: each step donates it), in the order given, or shuffled every round by
+    ``order``; the timed seconds of each, and the last loss."""
+    import jax
+
+    state, batch = inputs
+    times: list[list[float]] = [[] for _ in steps]
     loss = None
     for i in range(warmup + rounds):
-        for step, seconds in zip(compiled, times, strict=True):
+        turn = list(range(len(steps)))
+        if order is not None:
+            order.shuffle(turn)
+        for j in turn:
             t0 = time.perf_counter()
-            state, loss = step(state, batch)
+            state, loss = steps[j](state, batch)
             jax.block_until_ready((state, loss))
             if i >= warmup:
-                seconds.append(time.perf_counter() - t0)
+                times[j].append(time.perf_counter() - t0)
     return [tuple(t) for t in times], float(loss)
 
 
@@ -303,27 +464,10 @@ def compiler_options(cpu: bool) -> dict[str, str]:
     return dict(CPU_COMPILER_OPTIONS) if cpu else {}
 
 
-def reference_gradients(workload: Any) -> tuple[Any, Literal["none", "full"]]:
-    """Gradients of the no-remat plan on the workload's inputs, as host arrays, and "none".
-
-    Where no remat does not fit the device, the full-remat plan's (the same mathematics in
-    the least memory) and "full".
-    """
-    import jax
-
-    (params, _), batch = workload.inputs()
-    try:
-        none = RematPlan.uniform("none", workload.layers)
-        return jax.device_get(workload.grad(none)(params, batch)), "none"
-    except Exception as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-    full = RematPlan.uniform("full", workload.layers)
-    return jax.device_get(workload.grad(full)(params, batch)), "full"
-
-
 def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
-    """(max absolute error, max over leaves of max |error| / max |reference|)."""
+    """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
+    arrays: gradients, or what a plan's first step did (state change and loss) against the
+    reference's."""
     import jax
 
     abs_error = rel_error = 0.0

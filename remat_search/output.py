@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from remat_search.confirm import compare_times
+from remat_search.confirm import compare_times, interval_order
 from remat_search.measurement import relative_spread
 from remat_search.planner import Advice
 from remat_search.report import StudySummary
@@ -85,7 +85,16 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             "status": Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
         }
         table.add_row(*(cells[c] for c in columns))
+    if not narrow:
+        table.caption = SPREAD_NOTE
+        table.caption_justify = "left"
     return table
+
+
+SPREAD_NOTE = (
+    "spread ±x%: half the (max − min) / median range of the trial's timed repeats "
+    "(of its per-step ratios to the anchor where anchored)"
+)
 
 
 def _confirmed(t: TrialResult, *, spread: bool = True) -> str:
@@ -97,13 +106,15 @@ def _confirmed(t: TrialResult, *, spread: bool = True) -> str:
 
 def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     """The confirmed plans, fastest first, beside their search medians and ranks, each with
-    how much slower than the fastest it is (paired by round, with a 95% interval). On a narrow
-    terminal: trial, plan, peak, confirmed median and the comparison only."""
+    how much slower than the fastest it is (paired by round, with an interval whose real
+    coverage at that many rounds the header states). On a narrow terminal: trial, plan, peak,
+    confirmed median and the comparison only."""
     narrow = _narrow()
+    coverage = interval_order(len(confirmed[0].confirmed.times))[1] if confirmed[0].confirmed else 0.0
+    versus_column = f"vs fastest ({coverage:.0%} interval)"
     columns = {
         "rank": _NUMBER, "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "confirmed median": _NUMBER,
-        "spread": _NUMBER, "vs fastest (95%)": {"justify": "right"}, "search median": _NUMBER,
-        "search rank": _NUMBER,
+        "spread": _NUMBER, versus_column: {"justify": "right"}, "search median": _NUMBER, "search rank": _NUMBER,
     }
     if narrow:
         for name in ("rank", "spread", "search median", "search rank"):
@@ -122,17 +133,22 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
             "rank": str(rank), "trial": str(t.number), "plan": t.summary(),
             "peak": format_bytes(t.peak_bytes) if t.peak_bytes else "—",
             "confirmed median": format_seconds(t.confirmed.median), "spread": f"±{t.confirmed.spread / 2:.0%}",
-            "vs fastest (95%)": versus, "search median": format_seconds(t.step_seconds) if t.step_seconds else "—",
+            versus_column: versus, "search median": format_seconds(t.step_seconds) if t.step_seconds else "—",
             "search rank": str(by_search.index(t) + 1),
         }
         table.add_row(*(cells[c] for c in columns))
+    table.caption = (
+        ("" if narrow else "spread ±x%: half the (max − min) / median range of the plan's re-timed steps; ")
+        + "vs fastest: the median of the per-round ratios to the fastest, with an interval that holds the true "
+        f"ratio with {coverage:.0%} probability at this many rounds."
+    )
     if unresolved:
-        table.caption = (
-            "≈ within this machine's timing noise of the fastest: its 95% interval includes no difference "
-            "(ranks follow the medians; the paired ratio may then fall on either side of 0). More rounds "
-            "(remat-search confirm --rounds 40) or a quieter machine tell them apart."
+        table.caption += (
+            f" ≈ within this machine's timing noise of the fastest: its {coverage:.0%} interval includes no "
+            "difference (ranks follow the medians; the paired ratio may then fall on either side of 0). More "
+            "rounds (remat-search confirm --rounds 40) or a quieter machine tell them apart."
         )
-        table.caption_justify = "left"
+    table.caption_justify = "left"
     return table
 
 
@@ -298,9 +314,16 @@ def describe_trial(t: TrialResult) -> str:
             f"{format_bytes(m.screened_bytes)}, more than prescreen × budget even allowing for its largest over-prediction"
         )
     if m and m.oom_required_bytes is not None:
+        needs = f"needs {format_bytes(m.oom_required_bytes)} per chip"
+        if m.oom_temp_bytes is not None:  # measurement schema 2 on: the peak in full
+            needs += (
+                f" (temporaries {format_bytes(m.oom_temp_bytes)}, as its error states, + arguments and outputs "
+                f"less aliased {format_bytes(m.oom_required_bytes - m.oom_temp_bytes)}, their per-chip sizes)"
+            )
+        else:
+            needs += " for its temporaries alone"
         lines.append(
-            f"  the compiler ran out of memory: temporaries need {format_bytes(m.oom_required_bytes)}, "
-            f"{format_bytes(m.oom_available_bytes or 0)} available"
+            f"  the compiler ran out of memory: it {needs}, {format_bytes(m.oom_available_bytes or 0)} available"
         )
     if m and m.step_times:
         lines.append(
@@ -330,7 +353,10 @@ def describe_trial(t: TrialResult) -> str:
     if t.cached_from:
         lines.append(f"  measurement reused from {t.cached_from} (same workload, plan and device)")
     if m and m.grad_rel_error is not None:
-        lines.append(f"  gradients vs no remat: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+        checked = "first step (state change and loss) vs full remat's" if m.grad_reference == "full" else "gradients vs no remat"
+        lines.append(f"  {checked}: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+    if m and m.grad_skipped:
+        lines.append(f"  gradients not checked: {m.grad_skipped}")
     if t.error:
         lines.append(f"  error: {t.error}")
     return "\n".join(line for line in lines if line)

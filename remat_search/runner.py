@@ -9,7 +9,6 @@ reason, and the next candidate gets a fresh worker.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import multiprocessing
@@ -25,11 +24,11 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import RematSearchError, SpecError, WorkloadError
 from remat_search.measurement import (
+    MEASUREMENT_SCHEMA,
+    Executables,
     Measurement,
-    compile_anchor,
     compiler_options,
     measure,
-    reference_gradients,
     retime,
 )
 from remat_search.plan import RematPlan
@@ -57,8 +56,12 @@ class DeviceInfo(BaseModel):
     jax_version: str
     workload_fingerprint: str
     compiler_options: str = ""
-    """The options and XLA flags plans are compiled with, and remat-search's version (how
-    plans become checkpoints): part of the measurement cache key."""
+    """The options and XLA flags plans are compiled with: part of the measurement cache key."""
+    compiler_version: str | None = None
+    """libtpu's version where plans are compiled for TPU (it is the compiler): part of the key."""
+    measurement_schema: int = 0
+    """:data:`measurement.MEASUREMENT_SCHEMA` of the worker: what its measurements mean (part
+    of the key; 0 where a study stored its device before the field existed)."""
     program_fingerprint: str = ""
     """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
 
@@ -122,14 +125,17 @@ class Runner:
             return Measurement(status="failed", plan_digest=plan.digest, error=payload)
         return Measurement.model_validate_json(payload)
 
-    def retime(self, plans: list[RematPlan], *, warmup: int, rounds: int) -> list[tuple[float, ...]]:
-        """Time ``plans`` interleaved in the worker (see :func:`measurement.retime`).
+    def retime(
+        self, plans: list[RematPlan], *, warmup: int, rounds: int, budget: int | None = None
+    ) -> list[tuple[float, ...]]:
+        """Time ``plans`` interleaved in the worker, with the executables it kept (see
+        :func:`measurement.retime`); a plan over ``budget`` is refused, never run.
 
         Raises :class:`RematSearchError` if the worker fails or runs past the timeout per plan.
         """
         self._ensure_worker()
         assert self._conn is not None
-        self._conn.send(("retime", [p.to_json() for p in plans], warmup, rounds))
+        self._conn.send(("retime", [p.to_json() for p in plans], warmup, rounds, budget))
         if not self._conn.poll(self._timeout * len(plans)):
             self.close()
             raise RematSearchError(f"confirm: re-timing timed out after {self._timeout * len(plans):g} s; worker killed")
@@ -220,6 +226,7 @@ def _serve(
 
         workload = build_workload(workload_config)
         devices = target_devices(target)
+        tpu = devices[0].platform == "tpu"
         chip = chip_of(target)
         mesh = make_mesh(devices, mesh_axes) if chip is not None or mesh_axes else None
         if mesh is not None:
@@ -235,9 +242,10 @@ def _serve(
             program_fingerprint=program_fingerprint(workload),
             compiler_options=json.dumps({
                 "options": compiler_options(chip is None and devices[0].platform == "cpu"),
-                "remat_search": importlib.metadata.version("remat-search"),  # how plans are applied
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
+            compiler_version=_libtpu_version() if tpu else None,
+            measurement_schema=MEASUREMENT_SCHEMA,
         )
     except SpecError as e:
         conn.send(("spec_error", str(e)))
@@ -246,8 +254,7 @@ def _serve(
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", info.model_dump_json()))
-    reference = functools.cache(lambda: reference_gradients(workload))
-    anchors = functools.cache(lambda budget: compile_anchor(workload, budget=budget, mesh=mesh))  # one per budget
+    executables = Executables(workload, mesh=mesh, chip=chip)  # each plan compiled once in this worker
     while True:
         try:
             command, *args = conn.recv()
@@ -255,16 +262,15 @@ def _serve(
             return
         try:
             if command == "retime":
-                plans_json, warmup, rounds = args
+                plans_json, warmup, rounds, budget = args
                 plans = [RematPlan.model_validate_json(p) for p in plans_json]
-                conn.send(("ok", json.dumps(retime(workload, plans, warmup=warmup, rounds=rounds, mesh=mesh))))
+                times = retime(executables, plans, warmup=warmup, rounds=rounds, budget=budget)
+                conn.send(("ok", json.dumps(times)))
                 continue
             plan_json, budget, timing, tolerance = args
             m = measure(
-                workload, RematPlan.model_validate_json(plan_json), budget=budget,
-                timing=timing, gradient_tolerance=tolerance, reference_grads=reference,
-                anchor=functools.partial(anchors, budget) if timing.anchor and chip is None else None,
-                mesh=mesh, chip=chip,
+                executables, RematPlan.model_validate_json(plan_json), budget=budget,
+                timing=timing, gradient_tolerance=tolerance,
             )
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
@@ -284,6 +290,14 @@ def _cpu_only_host() -> bool:
         return False
     plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
     return not plugins and num_available_tpu_chips_and_device_id()[0] == 0
+
+
+def _libtpu_version() -> str:
+    """The installed libtpu's version (the TPU compiler), or "unknown"."""
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _local_memory_limit(device: object) -> int | None:

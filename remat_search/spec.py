@@ -303,6 +303,10 @@ class SearchSpec(_Frozen):
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     gradient_tolerance: PositiveFloat = 1e-3
+    """How far a plan's first step may differ from the reference's (full remat, on the same
+    fresh inputs): max over the training state's arrays and the loss of
+    max |Δ − Δref| / max |Δref|, where Δ is the change the step made to the array (the loss
+    itself for the loss). Beyond it, the trial fails."""
     confirm: ConfirmConfig = ConfirmConfig()
     prescreen: float | None = Field(default=1.2, gt=1)
     """Record a plan over budget without compiling it when the study's cost model (see

@@ -1,8 +1,8 @@
 """Workloads: the training steps remat-search optimises, behind one small interface.
 
 A workload is a loss over repeated layers, its parameters, an example batch and an
-optimizer. From those, :class:`Workload` builds what the runner compiles: a donated
-training step (``step``) and the gradient function used to check a plan (``grad``).
+optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
+times: a donated training step (``step``).
 Built-in kinds are ``transformer`` and ``mlp``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
@@ -165,12 +165,6 @@ class Workload(abc.ABC):
             train_step, donate_argnums=0, in_shardings=(state, batch),
             out_shardings=(state, NamedSharding(mesh, P())),
         )
-
-    def grad(self, plan: RematPlan) -> Callable[[PyTree, PyTree], PyTree]:
-        """The jitted gradient of the loss under ``plan``, to check it against no remat."""
-        import jax
-
-        return jax.jit(jax.grad(self.loss(plan)))
 
     def fingerprint(self) -> str:
         """A hash of what the workload computes on: its name, layers, names and input shapes."""

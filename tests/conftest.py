@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 import yaml
 from typer.testing import CliRunner
 
+from remat_search import output
 from remat_search.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +61,11 @@ def storage_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def cli() -> Any:
-    """Run ``remat-search ARGS`` in this process; returns click's Result (exit_code, stdout, stderr)."""
+def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run ``remat-search ARGS`` in this process; returns click's Result (exit_code, stdout, stderr).
+    Its tables come out as a wide terminal prints them, every column; a narrow terminal's are
+    tested in a process with COLUMNS set (tests/test_cli_run.py)."""
+    monkeypatch.setattr(output.console, "width", 200)
     runner = CliRunner()
 
     def invoke(*args: str) -> Any:

@@ -3,46 +3,85 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy as sa
 
 import remat_search
-from remat_search import cache
-from remat_search.measurement import Measurement, MemoryBreakdown, anchor_plan
+from remat_search import RematPlan, cache
+from remat_search.measurement import (
+    KEPT_EXECUTABLES,
+    MEASUREMENT_SCHEMA,
+    Executables,
+    Measurement,
+    MemoryBreakdown,
+    anchor_plan,
+)
+from remat_search.runner import DeviceInfo, Runner
 from remat_search.spec import parse_spec
 
 from .conftest import spec_dict
+from .workloads import counting
+
+
+def _events(log: Path) -> list[tuple[str, str, int]]:
+    """(``lower`` or ``trace``, plan digest, process id) as ``tests.workloads:counting`` logs them."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(what, digest, int(pid)) for what, digest, pid in (line.split() for line in lines)]
 
 
 def _compiled(log: Path) -> list[str]:
-    return log.read_text().split() if log.exists() else []
+    """The digests lowered for compiling, in order."""
+    return [digest for what, digest, _ in _events(log) if what == "lower"]
+
+
+def _assert_compiled_once_per_worker(log: Path, none: str) -> None:
+    """In each worker process, every plan was lowered at most once, and the loss was traced
+    by nothing else: once a lowering, plus the no-remat step's jaxpr (the program fingerprint,
+    never compiled) once a worker."""
+    events = _events(log)
+    lowered = Counter((digest, pid) for what, digest, pid in events if what == "lower")
+    traced = Counter((digest, pid) for what, digest, pid in events if what == "trace")
+    workers = {pid for _, _, pid in events}
+    assert os.getpid() not in workers  # the search process compiles nothing
+    assert max(lowered.values()) == 1, lowered
+    assert traced == lowered + Counter((none, pid) for pid in workers)
 
 
 def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path, storage_url: str) -> None:
     log = tmp_path / "traces.log"
     workload = {"factory": "tests.workloads:counting", "args": {"log": str(log)}}
     space = {"layout": "uniform", "choices": ["none", "full", "dots"]}  # full×3 is also the anchor
+    confirm = {"top": 2, "rounds": 2, "presets": True}
+    none, anchor = RematPlan.uniform("none", 3).digest, anchor_plan(3).digest
     first = remat_search.run(parse_spec(spec_dict(
-        storage_url, study="first", workload=workload, space=space, trials=3, confirm={"top": 0},
+        storage_url, study="first", workload=workload, space=space, trials=3, confirm=confirm,
     )))
     assert [t.status for t in first.trials] == ["measured"] * 3
+    assert all(t.confirmed for t in first.trials)  # every plan re-timed, by the worker that measured it
     compiled = _compiled(log)
-    assert {t.plan.digest for t in first.trials} <= set(compiled)
+    uniform = {t.plan.digest for t in first.trials}
+    assert sorted(compiled) == sorted(uniform)  # each once: the anchor and reference is full×3's own compile
+    _assert_compiled_once_per_worker(log, none)
 
     again = remat_search.run(parse_spec(spec_dict(
-        storage_url, study="first", workload=workload, space=space, trials=3, confirm={"top": 0},
+        storage_url, study="first", workload=workload, space=space, trials=3, confirm=confirm,
     )))
-    assert len(again.trials) == 3 and _compiled(log) == compiled  # a finished search: nothing
+    assert len(again.trials) == 3 and _compiled(log) == compiled  # a finished, confirmed search: nothing
 
     by_label = {t.labels[0]: t for t in first.trials}
-    budget = by_label["full"].peak_bytes + 1  # only full remat fits the new study's budget
+    budget = by_label["full"].peak_bytes + 1  # no remat does not fit the new study's budget
     second = remat_search.run(parse_spec(spec_dict(
-        storage_url, study="second", workload=workload, space=space, trials=3, budget=budget,
-        confirm={"top": 0},
+        storage_url, study="second", workload=workload, space=space, trials=3, budget=budget, confirm=confirm,
     )))
-    assert _compiled(log) == compiled  # every plan came from the first study's measurements
+    confirmed = {t.plan.digest for t in second.trials if t.confirmed}
+    assert len(confirmed) >= 2 and none not in confirmed
+    assert sorted(_compiled(log)[len(compiled):]) == sorted(confirmed)  # only to re-time them in this worker
+    compiled = _compiled(log)
     assert {t.labels[0]: t.status for t in second.trials} == {
         label: "measured" if t.peak_bytes <= budget else "over_budget" for label, t in by_label.items()
     }
@@ -56,21 +95,23 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
 
     wider = remat_search.run(parse_spec(spec_dict(
         storage_url, study="third", workload=workload, space={"layout": "per_layer", "choices": ["none", "full"]},
-        trials=4, confirm={"top": 0}, sampler={"kind": "random", "seed": 1},
+        trials=4, confirm=confirm, sampler={"kind": "random", "seed": 4},  # two mixes
     )))
     new = _compiled(log)[len(compiled):]
-    uniform = {t.plan.digest for t in first.trials}
-    assert not uniform & set(new) - {anchor_plan(3).digest}  # its presets: not compiled again
-    timed = [t for t in wider.trials if t.cached_from is None and t.reused_from is None]
-    assert new.count(anchor_plan(3).digest) == min(len(timed), 1)  # once a worker, if it times a plan
-    assert {t.plan.digest for t in wider.trials if t.cached_from is None} <= set(new)
+    measured_here = {t.plan.digest for t in wider.trials if t.cached_from is None}
+    assert measured_here and measured_here <= set(new)
+    confirmed = {t.plan.digest for t in wider.trials if t.confirmed}
+    assert {none, anchor} <= confirmed  # the presets, measured by the first study, re-timed here…
+    assert sorted(new) == sorted(measured_here | confirmed | {anchor})  # …so compiled once in this worker
+    _assert_compiled_once_per_worker(log, none)
 
     edited = {"factory": "tests.workloads:counting", "args": {"log": str(log), "scale": 2.0}}
     before = len(_compiled(log))
     remat_search.run(parse_spec(spec_dict(
-        storage_url, study="edited", workload=edited, space=space, trials=3, confirm={"top": 0},
+        storage_url, study="edited", workload=edited, space=space, trials=3, confirm=confirm,
     )))
-    assert sorted(_compiled(log)[before:]) == sorted([*uniform, anchor_plan(3).digest])  # other code: anew
+    assert sorted(_compiled(log)[before:]) == sorted(uniform)  # other code: anew, each once
+    _assert_compiled_once_per_worker(log, none)
 
 
 def test_the_worker_fills_the_jax_compilation_cache(tmp_path: Path, storage_url: str) -> None:
@@ -109,6 +150,9 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     rows = [line for line in result.stdout.splitlines() if "×3" in line]
     assert "none×3" in rows[0] and "full×3" in rows[1]  # ranked by the confirmed medians
     assert "≈" not in result.stdout  # 20 ms slower in every round: not within noise
+    said = " ".join(result.stdout.split())
+    assert "holds the true ratio with 75% probability" in said  # 3 rounds: 1 − 2/2³, not 95%
+    assert "spread ±x%: half the (max − min) / median range of the plan's re-timed steps" in said
 
     stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["confirmation"]
     assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session
@@ -219,3 +263,40 @@ def test_a_plan_timed_alone_is_timed_again_for_a_study_that_anchors() -> None:
     assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3, anchored=True) is None
     assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3) == alone
     assert cache.reuse(anchored, budget=1, gradient_tolerance=1, repeats=3, anchored=True) == anchored
+
+
+def test_a_measurement_of_another_schema_or_compiler_is_not_reused(tmp_path: Path) -> None:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'cache.db'}")
+    cache.create_table(engine)
+    tpu = DeviceInfo(
+        target="v5e:2x2", platform="tpu", device_kind="TPU v5 lite", device_count=4, mesh={"data": 4},
+        memory_limit=2**34, executes=False, jax_version="0.10.2", workload_fingerprint="w", program_fingerprint="p",
+        compiler_version="0.0.42.1", measurement_schema=MEASUREMENT_SCHEMA,
+    )
+    memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
+    m = Measurement(status="over_budget", plan_digest="plan", memory=memory)
+    cache.store(engine, tpu, m, study="s", trial=0)
+    assert cache.lookup(engine, tpu, "plan") == (m, "s", 0)
+    for changed in ({"measurement_schema": MEASUREMENT_SCHEMA - 1}, {"compiler_version": "0.0.43"}):
+        assert cache.lookup(engine, tpu.model_copy(update=changed), "plan") is None, changed
+    engine.dispose()
+
+
+def test_the_worker_keys_measurements_by_this_schema(storage_url: str) -> None:
+    with Runner(parse_spec(spec_dict(storage_url)).workload, timeout=120) as runner:
+        device = runner.describe()
+    assert device.measurement_schema == MEASUREMENT_SCHEMA and device.compiler_version is None  # CPU: XLA in jaxlib
+    assert "remat_search" not in device.compiler_options  # the package's version says nothing of its measurements
+
+
+def test_a_worker_keeps_the_most_recently_used_executables_and_the_anchor(tmp_path: Path) -> None:
+    log = tmp_path / "traces.log"
+    executables = Executables(counting(str(log)), capacity=2)
+    assert Executables(counting(str(log))).capacity == KEPT_EXECUTABLES == 64  # as README says
+    none, dots, attn = (RematPlan.uniform(p, 3) for p in ("none", "dots", "dots_no_batch"))
+    anchor = anchor_plan(3)
+    for plan in (anchor, none, dots, none, attn, anchor, none):  # dots, least recently used, goes
+        assert executables.build(plan).executable is not None
+    assert _compiled(log) == [anchor.digest, none.digest, dots.digest, attn.digest]
+    executables.build(dots)
+    assert _compiled(log)[-1] == dots.digest  # dropped, so compiled again

@@ -18,20 +18,35 @@ def test_pairing_by_round_cancels_drift_that_hides_the_difference_unpaired() -> 
     assert c.resolved and c.low > 1.03 and c.high < 1.07 and c.ratio == pytest.approx(1.05, abs=0.005)
 
 
-def test_same_plan_twice_is_not_resolved_and_the_interval_covers_no_difference() -> None:
-    rng = np.random.default_rng(1)
-    covered = 0
-    for _ in range(400):
-        a, b = rng.lognormal(0, 0.15, 30), rng.lognormal(0, 0.15, 30)
+@pytest.mark.parametrize("rounds", [5, 10, 30])
+def test_the_interval_covers_no_difference_as_often_as_it_says(rounds: int) -> None:
+    rng = np.random.default_rng(rounds)
+    trials, covered, whole = 4000, 0, 0
+    for _ in range(trials):
+        a, b = rng.lognormal(0, 0.15, rounds), rng.lognormal(0, 0.15, rounds)
         c = compare_times(b, a)
         covered += c.low <= 1 <= c.high
+        whole += (c.low, c.high) == (min(b / a), max(b / a))
         assert c.low <= c.ratio <= c.high
-    assert covered >= 0.93 * 400  # a 95% interval, up to sampling error
+    coverage = compare_times(b, a).coverage
+    assert abs(covered / trials - coverage) < 4 * (coverage * (1 - coverage) / trials) ** 0.5  # both ways
+    assert whole == (trials if rounds <= 8 else 0)  # from 9 rounds on, never the whole range
+
+
+@pytest.mark.parametrize(
+    ("rounds", "coverage"),
+    # 1 − 2·P(Binomial(n, 1/2) ≤ k − 1) for the interval [r_(k), r_(n+1−k)]: k = 1, 1, 1, 2, 10
+    [(1, 0.0), (5, 15 / 16), (6, 31 / 32), (10, 1 - 2 * 11 / 1024), (30, 513906825 / 536870912)],
+)
+def test_the_interval_states_its_exact_coverage(rounds: int, coverage: float) -> None:
+    c = compare_times([1.0] * rounds, [1.0] * rounds)
+    assert c.coverage == pytest.approx(coverage, abs=1e-12)
 
 
 def test_few_rounds_give_the_whole_range() -> None:
     c = compare_times([1.2, 1.5, 1.1], [1.0, 1.0, 1.0])
     assert (c.low, c.ratio, c.high) == pytest.approx((1.1, 1.2, 1.5))
     assert c.resolved  # every round says slower
+    assert c.coverage == 0.75  # 1 − 2/2³: less than the 95% asked for, and said
     with pytest.raises(ValueError, match="at least one round"):
         compare_times([], [])

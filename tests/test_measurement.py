@@ -1,30 +1,43 @@
-"""The runner's measurements on a tiny real transformer: compiled memory, gradients, timing."""
+"""The runner's measurements on a tiny real transformer: compiled memory, the check of the
+measured program's first step, timing."""
 
 from __future__ import annotations
 
-import functools
 import statistics
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+import remat_search
 from remat_search import LayerPolicy, RematPlan, build_workload
-from remat_search.measurement import Measurement, compile_anchor, measure, reference_gradients
-from remat_search.spec import TimingConfig, TransformerConfig
+from remat_search.measurement import Executables, Measurement, gradient_error, measure, retime
+from remat_search.output import describe_trial
+from remat_search.spec import TimingConfig, TransformerConfig, parse_spec
+from remat_search.store import TrialResult
 
-from .conftest import TINY_TRANSFORMER
+from .conftest import TINY_TRANSFORMER, spec_dict
+from .workloads import miscomputing, recording
 
 QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))
-POLICIES = {"none": "none", "full": "full", "dots": "dots", "dots_no_batch": "dots_no_batch", "save_qkv": QKV}
+ATTN = LayerPolicy(kind="names", names=("context", "out_proj"))
+POLICIES = {
+    "none": "none", "full": "full", "dots": "dots", "dots_no_batch": "dots_no_batch", "save_qkv": QKV, "save_attn": ATTN,
+}
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[str, Measurement]:
-    workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
-    reference = functools.cache(lambda: reference_gradients(workload))
+def executables() -> Executables:
+    return Executables(build_workload(TransformerConfig(**TINY_TRANSFORMER)))
+
+
+@pytest.fixture(scope="module")
+def measured(executables: Executables) -> dict[str, Measurement]:
+    layers = executables.workload.layers
     return {
         label: measure(
-            workload, RematPlan.uniform(policy, workload.layers), budget=2**40,
-            timing=TimingConfig(warmup=1, repeats=3), gradient_tolerance=1e-4, reference_grads=reference,
+            executables, RematPlan.uniform(policy, layers), budget=2**40,
+            timing=TimingConfig(warmup=1, repeats=3), gradient_tolerance=1e-4,
         )
         for label, policy in POLICIES.items()
     }
@@ -44,11 +57,29 @@ def test_peak_is_the_breakdown_sum(measured: dict[str, Measurement]) -> None:
         assert mem.alias > 0  # the step donates its state
 
 
-def test_gradients_of_every_plan_match_no_remat(measured: dict[str, Measurement]) -> None:
+def test_the_first_step_of_every_preset_matches_full_remats(measured: dict[str, Measurement]) -> None:
     for label, m in measured.items():
         assert m.status == "measured", (label, m.error)
+        assert m.grad_reference == "full" and m.grad_skipped is None, label
         assert m.grad_rel_error is not None and m.grad_rel_error <= 1e-4, label
-        assert m.grad_reference == "none"
+
+
+def test_the_check_compares_the_state_change_and_the_loss() -> None:
+    reference = ([np.array([1.0, -2.0]), np.zeros(3)], 4.0)
+    assert gradient_error(reference, reference) == (0.0, 0.0)
+    assert gradient_error(([np.array([1.0, -2.5]), np.zeros(3)], 4.0), reference) == (0.5, 0.25)
+    assert gradient_error(([np.array([1.0, -2.0]), np.zeros(3)], 5.0), reference) == (1.0, 0.25)  # the loss alone
+
+
+def test_a_plan_whose_program_computes_something_else_fails_its_check() -> None:
+    executables = Executables(miscomputing())
+    timing = TimingConfig(warmup=1, repeats=2)
+    dots = measure(executables, RematPlan.uniform("dots", 3), budget=2**40, timing=timing, gradient_tolerance=1e-3)
+    assert dots.status == "failed" and "differ from those of plan 'full'" in dots.error
+    assert dots.grad_rel_error == pytest.approx(3.0, rel=1e-3)  # Adam's second moment: ×4 (its first, the loss: ×2)
+    assert dots.step_times == ()  # failed before it was timed
+    none = measure(executables, RematPlan.uniform("none", 3), budget=2**40, timing=timing, gradient_tolerance=1e-3)
+    assert none.status == "measured" and none.grad_rel_error <= 1e-3
 
 
 def test_recompute_shows_in_flops_and_steps_are_timed(measured: dict[str, Measurement]) -> None:
@@ -59,26 +90,39 @@ def test_recompute_shows_in_flops_and_steps_are_timed(measured: dict[str, Measur
         assert m.min_seconds <= m.median_seconds and m.spread >= 0
 
 
-def test_over_budget_plan_is_compiled_but_not_run() -> None:
-    workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
-
-    def no_reference() -> None:
-        raise AssertionError("an over-budget plan must not be run or checked")
-
+def test_over_budget_plan_is_compiled_but_not_run(tmp_path: Path) -> None:
+    log = tmp_path / "executions.log"
+    workload = recording(str(log))
     m = measure(
-        workload, RematPlan.uniform("none", workload.layers), budget=1, timing=TimingConfig(),
-        gradient_tolerance=1e-4, reference_grads=no_reference,
+        Executables(workload), RematPlan.uniform("none", workload.layers), budget=1, timing=TimingConfig(),
+        gradient_tolerance=1e-4,
     )
     assert m.status == "over_budget" and m.peak_bytes > 1
     assert m.step_times == () and m.step_seconds is None and m.grad_rel_error is None
+    assert not log.exists()  # nothing ran: neither the plan nor a reference
 
 
-def test_an_anchored_step_is_timed_alternately_with_the_anchor(measured: dict[str, Measurement]) -> None:
-    workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
-    anchor = functools.cache(lambda: compile_anchor(workload, budget=2**40))
+def test_where_full_remat_does_not_fit_a_plan_that_fits_runs_unchecked(
+    executables: Executables, measured: dict[str, Measurement]
+) -> None:
+    attn, full = measured["save_attn"].peak_bytes, measured["full"].peak_bytes
+    assert attn < full  # on this model, saving two names takes less than recomputing everything
     m = measure(
-        workload, RematPlan.uniform("dots", workload.layers), budget=2**40, timing=TimingConfig(warmup=1, repeats=4),
-        gradient_tolerance=1e-4, reference_grads=functools.cache(lambda: reference_gradients(workload)), anchor=anchor,
+        executables, RematPlan.uniform(ATTN, executables.workload.layers), budget=attn,
+        timing=TimingConfig(warmup=1, repeats=2), gradient_tolerance=1e-4,
+    )
+    assert m.status == "measured" and len(m.step_times) == 2
+    assert m.grad_rel_error is None and m.grad_reference is None
+    assert "full remat" in m.grad_skipped and "nothing over the budget is run" in m.grad_skipped
+    assert m.anchor_times == ()  # nor is the anchor, which is full remat
+
+
+def test_an_anchored_step_is_timed_alternately_with_the_anchor(
+    executables: Executables, measured: dict[str, Measurement]
+) -> None:
+    m = measure(
+        executables, RematPlan.uniform("dots", executables.workload.layers), budget=2**40,
+        timing=TimingConfig(warmup=1, repeats=4), gradient_tolerance=1e-4,
     )
     assert m.status == "measured" and len(m.anchor_times) == len(m.step_times) == 4
     ratios = [t / a for t, a in zip(m.step_times, m.anchor_times, strict=True)]
@@ -87,4 +131,52 @@ def test_an_anchored_step_is_timed_alternately_with_the_anchor(measured: dict[st
     assert at.step_seconds == pytest.approx(statistics.median(ratios) * 0.5)
     assert at.spread == pytest.approx((max(ratios) - min(ratios)) / statistics.median(ratios))
     # The anchor is full remat: over a budget below its peak it would not run, so there is none.
-    assert compile_anchor(workload, budget=measured["full"].peak_bytes - 1) is None
+    assert executables.anchor(measured["full"].peak_bytes - 1) is None
+    assert executables.anchor(measured["full"].peak_bytes) is not None
+
+
+def test_retime_runs_the_kept_executables_in_a_shuffled_order_each_round(tmp_path: Path) -> None:
+    log = tmp_path / "executions.log"
+    executables = Executables(recording(str(log)))
+    plans = [RematPlan.uniform(p, 3) for p in ("none", "full", "dots")]
+    peaks = [executables.build(p).memory.peak for p in plans]
+    with pytest.raises(ValueError, match="does not fit"):
+        retime(executables, plans, warmup=0, rounds=2, budget=max(peaks) - 1)
+    assert not log.exists()  # refused before anything ran
+
+    times = retime(executables, plans, warmup=1, rounds=8, budget=max(peaks))
+    assert [len(t) for t in times] == [8, 8, 8]
+    executed = log.read_text().split()
+    rounds = [executed[i:i + 3] for i in range(0, len(executed), 3)]
+    assert len(rounds) == 9 and all(sorted(r) == sorted(p.digest for p in plans) for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # not always the same order
+
+
+def test_show_says_when_a_plan_ran_unchecked(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
+    executables = Executables(workload)
+    attn = executables.build(RematPlan.uniform(ATTN, workload.layers)).memory.peak
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    remat_search.run(parse_spec(spec_dict(
+        storage, space={"layout": "uniform", "choices": ["full", {"label": "save_attn", "names": ["context", "out_proj"]}]},
+        budget=attn, trials=2, confirm={"top": 0},
+    )))
+    shown = cli("show", "--study", "tiny", "--trial", "1", "--storage", storage)
+    assert shown.exit_code == 0, shown.stderr
+    assert "save_attn" in shown.stdout and "measured" in shown.stdout
+    assert "gradients not checked: the reference, full remat, needs" in " ".join(shown.stdout.split())
+    full = cli("show", "--study", "tiny", "--trial", "0", "--storage", storage).stdout
+    table = " ".join(cli("show", "--study", "tiny", "--storage", storage).stdout.split())
+    assert "spread ±x%: half the (max − min) / median range of the trial's timed repeats" in table
+    assert "over_budget" in full and "gradients" not in full
+
+
+def test_show_states_an_out_of_memory_peak_in_full() -> None:
+    m = Measurement(
+        status="over_budget", plan_digest="p", oom_required_bytes=21 * 2**30, oom_temp_bytes=20 * 2**30,
+        oom_available_bytes=15 * 2**30,
+    )
+    assert m.peak_bytes == 21 * 2**30
+    shown = describe_trial(TrialResult(number=3, status="over_budget", measurement=m))
+    assert "needs 21.0 GiB per chip (temporaries 20.0 GiB" in shown and "+ arguments and outputs" in shown
+    assert "15.0 GiB available" in shown

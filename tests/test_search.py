@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 import remat_search
 from remat_search import RematPlan
-from remat_search.measurement import measure
+from remat_search.measurement import Executables, measure
 from remat_search.spec import TimingConfig, parse_spec
 from remat_search.study import Progress
 from remat_search.units import format_bytes
@@ -27,8 +27,8 @@ from .workloads import recording
 
 def _compiled_peak(workload: remat_search.Workload, policy: str) -> int:
     """The compiled peak of a uniform plan, without running it (budget 1)."""
-    m = measure(workload, RematPlan.uniform(policy, workload.layers), budget=1,
-                timing=TimingConfig(), gradient_tolerance=1e-4, reference_grads=lambda: None)
+    m = measure(Executables(workload), RematPlan.uniform(policy, workload.layers), budget=1,
+                timing=TimingConfig(), gradient_tolerance=1e-4)
     assert m.status == "over_budget"
     return m.peak_bytes
 
@@ -38,23 +38,28 @@ def test_over_budget_plan_is_recorded_and_never_executed(tmp_path: Path, storage
     workload = recording(str(log))
     none_peak, full_peak = _compiled_peak(workload, "none"), _compiled_peak(workload, "full")
     assert full_peak < none_peak and not log.exists()
+    budget = (none_peak + full_peak) // 2
     spec = parse_spec(spec_dict(
         storage_url, workload={"factory": "tests.workloads:recording", "args": {"log": str(log)}},
-        space={"layout": "uniform", "choices": ["none", "full"]},
-        budget=(none_peak + full_peak) // 2, trials=2,
+        space={"layout": "uniform", "choices": ["none", "full", "dots"]}, budget=budget, trials=3,
+        confirm={"top": 2, "rounds": 2, "presets": True},
     ))
     report = remat_search.run(spec)
 
     by_label = {t.labels[0]: t for t in report.trials}
     assert by_label["none"].status == "over_budget" and by_label["none"].peak_bytes == none_peak
     assert by_label["full"].status == "measured"
-    executed = set(log.read_text().split())
+    assert by_label["full"].measurement.grad_reference == "full"  # checked against a reference that fits
+    assert sum(bool(t.confirmed) for t in report.trials) == 2  # full and dots, re-timed
+    executed = set(log.read_text().split())  # every evaluation of the loss: steps, references, re-timing
     assert by_label["full"].plan.digest in executed
-    assert by_label["none"].plan.digest not in executed  # compiled, never run
+    assert by_label["none"].plan.digest not in executed  # compiled, never run: no step, no gradient
+    peaks = {t.plan.digest: t.peak_bytes for t in report.trials}  # the anchor, full remat, among them
+    assert executed <= set(peaks) and all(peaks[d] <= budget for d in executed)
     study = optuna.load_study(study_name="tiny", storage=storage_url)
     infeasible = next(t for t in study.trials if t.number == by_label["none"].number)
     assert infeasible.state == TrialState.COMPLETE and infeasible.constraints["budget"] > 0
-    assert [t.number for t in report.front] == [by_label["full"].number]
+    assert by_label["none"].number not in [t.number for t in report.front]
 
 
 @pytest.mark.parametrize(

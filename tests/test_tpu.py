@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
-from remat_search.measurement import Measurement, measure
+from remat_search.measurement import Executables, Measurement, io_bytes, measure
 from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
 from remat_search.target import CHIPS, chip_of, make_mesh, target_devices
 
@@ -27,12 +29,11 @@ LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_
 
 def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None) -> Measurement:
     workload = build_workload(config)
-    mesh = make_mesh(target_devices(V5E), mesh_axes)
-    return measure(
-        workload, RematPlan.uniform(policy, workload.layers), budget=HBM_V5E, timing=TimingConfig(),
-        gradient_tolerance=1e-3, reference_grads=lambda: pytest.fail("nothing may run for a TPU target"),
-        mesh=mesh, chip=chip_of(V5E),
-    )
+    executables = Executables(workload, mesh=make_mesh(target_devices(V5E), mesh_axes), chip=chip_of(V5E))
+    plan = RematPlan.uniform(policy, workload.layers)
+    m = measure(executables, plan, budget=HBM_V5E, timing=TimingConfig(), gradient_tolerance=1e-3)
+    assert executables.build(plan).executable is None  # nothing kept that could run for a TPU target
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,20 @@ def test_tpu_measurements_are_compiled_and_estimated_never_run(small: dict[str, 
         max(m.flops / chip.bf16_flops, m.bytes_accessed / chip.hbm_bytes_per_second))
 
 
-def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_while_full_fits() -> None:
+def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_in_full_while_full_fits() -> None:
     none = _measure(LARGE, "none")
     assert none.status == "over_budget" and none.memory is None
-    assert none.oom_available_bytes == HBM_V5E and none.oom_required_bytes > HBM_V5E
+    assert none.oom_available_bytes == HBM_V5E and none.oom_temp_bytes > HBM_V5E  # "HLO temporaries (20.36G)"
+    mesh = make_mesh(target_devices(V5E), None)
+    abstract = build_workload(LARGE).abstract_inputs(mesh)
+    arguments = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    assert none.peak_bytes == none.oom_required_bytes >= none.oom_temp_bytes + arguments  # comparable with peaks
     full = _measure(LARGE, "full")
     assert full.status == "measured" and full.peak_bytes <= HBM_V5E
+    # What is added to the temporaries is what the compiler counts when a plan fits, but for tile padding.
+    lowered = build_workload(LARGE).step(RematPlan.uniform("full", LARGE.layers), mesh).lower(*abstract)
+    compiled = full.memory.argument + full.memory.output - full.memory.alias
+    assert 0.99 * compiled <= io_bytes(lowered, abstract) <= compiled
 
 
 def test_fsdp_divides_per_chip_argument_bytes_by_the_mesh() -> None:

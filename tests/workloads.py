@@ -1,12 +1,14 @@
 """Workloads for the tests, loaded through the spec's ``factory:`` like a user's own.
 
 They are real JAX programs; what they add is observable behaviour: a record of every
-execution (to prove over-budget plans never run), a loss that raises, one that hangs.
+execution (to prove over-budget plans never run), of every lowering and trace (to prove no
+plan is compiled twice), a loss that raises, one that hangs, one that a plan changes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,24 +24,25 @@ TINY_MLP = MlpConfig(kind="mlp", layers=3, width=64, hidden=256, batch=128)
 
 
 class RecordingMlp(MlpWorkload):
-    """An MLP whose training step appends the plan's digest to ``log`` each time it *runs*."""
+    """An MLP that appends the plan's digest to ``log`` each time its loss is evaluated on the
+    device: whatever runs it (a training step, a gradient), every execution is recorded."""
 
     def __init__(self, log: str) -> None:
         super().__init__(TINY_MLP)
         self.log = Path(log)
 
-    def step(self, plan: RematPlan) -> Callable:
-        inner = super().step(plan)
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
 
         def record() -> None:
             with self.log.open("a") as f:
                 f.write(plan.digest + "\n")
 
-        def recorded_step(state, batch):  # type: ignore[no-untyped-def]
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
             jax.debug.callback(record)
-            return inner(state, batch)
+            return inner(params, batch)
 
-        return jax.jit(recorded_step, donate_argnums=0)
+        return loss_fn
 
 
 class RaisingMlp(MlpWorkload):
@@ -76,33 +79,54 @@ class HangingMlp(MlpWorkload):
 
 
 class CountingMlp(MlpWorkload):
-    """An MLP that appends the plan's digest to ``log`` each time its step is lowered for
-    compiling (``step(plan).lower(...)``, which every measurement does first). ``scale``
-    changes its loss, not its shapes."""
+    """An MLP that appends ``lower DIGEST PID`` to ``log`` each time its step is lowered for
+    compiling (``step(plan).lower(...)``, which every compile does first), and ``trace DIGEST
+    PID`` each time its loss is traced, whatever traces it (a lowering, a ``jax.jit`` call, a
+    jaxpr): a compile that bypasses ``lower`` still shows as a trace. ``scale`` changes its
+    loss, not its shapes."""
 
     def __init__(self, log: str, scale: float = 1.0) -> None:
         super().__init__(TINY_MLP)
         self.log = Path(log)
         self.scale = scale
 
+    def _write(self, what: str, plan: RematPlan) -> None:
+        with self.log.open("a") as f:
+            f.write(f"{what} {plan.digest} {os.getpid()}\n")
+
     def loss(self, plan: RematPlan) -> Callable:
         inner = super().loss(plan)
-        return lambda params, batch: self.scale * inner(params, batch)
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            self._write("trace", plan)  # Python runs here only while JAX traces
+            return self.scale * inner(params, batch)
+
+        return loss_fn
 
     def step(self, plan: RematPlan, mesh: object = None) -> Callable:
         inner = super().step(plan)
-        log = self.log
+        workload = self
 
         class Counted:
             def __call__(self, *args):  # type: ignore[no-untyped-def]
                 return inner(*args)
 
             def lower(self, *args):  # type: ignore[no-untyped-def]
-                with log.open("a") as f:
-                    f.write(plan.digest + "\n")
+                workload._write("lower", plan)
                 return inner.lower(*args)
 
         return Counted()
+
+
+class MiscomputingMlp(MlpWorkload):
+    """An MLP whose loss is doubled under any plan with a ``dots`` layer: a plan whose program
+    computes something else (its gradients, and so Adam's first moment, double), which the
+    gradient check must catch."""
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+        scale = 2.0 if any(p.kind == "dots" for p in plan.layers) else 1.0
+        return lambda params, batch: scale * inner(params, batch)
 
 
 class DelayedMlp(MlpWorkload):
@@ -139,6 +163,10 @@ def delayed(delays: str) -> DelayedMlp:
 
 def recording(log: str) -> RecordingMlp:
     return RecordingMlp(log)
+
+
+def miscomputing() -> MiscomputingMlp:
+    return MiscomputingMlp(TINY_MLP)
 
 
 def raising() -> RaisingMlp:
