@@ -14,7 +14,7 @@ from remat_search import LayerPolicy, RematPlan, build_workload
 from remat_search.measurement import Executables, Measurement, gradient_error, measure, retime
 from remat_search.output import describe_trial
 from remat_search.spec import TimingConfig, TransformerConfig, parse_spec
-from remat_search.store import TrialResult
+from remat_search.results import TrialResult
 
 from .conftest import TINY_TRANSFORMER, spec_dict
 from .workloads import miscomputing, recording
