@@ -145,10 +145,10 @@ def test_in_a_terminal_the_bar_shows_the_plan_being_measured(
     spec = yaml.safe_load(tiny_search[1].read_text())
     for db in tiny_search[1].parent.glob("studies.db*"):
         shutil.copy(db, tmp_path)
-    spec.update(trials=7, storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    spec.update(trials=7, storage=f"sqlite:///{tmp_path / 'studies.db'}", confirm={**spec["confirm"], "top": 3})
     monkeypatch.setenv("TTY_COMPATIBLE", "1")
     search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
     out = search.communicate(timeout=300)[0]
     assert search.returncode == 0, out
     assert re.search(r"trial 6: (compiling and timing|reusing the measurement of) [\w×. ]+", out), out
-    assert "confirming 2 plans × 2 rounds" in out
+    assert "confirming 3 plans × 2 rounds" in out  # one more than the 2 confirmed before: all re-timed
