@@ -42,6 +42,7 @@ from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import Space
 from remat_search.spec import SearchSpec
 from remat_search.store import (
+    ANCHOR_ATTR,
     CACHED_ATTR,
     FAILURE_ATTR,
     HOST_ATTR,
@@ -78,7 +79,6 @@ logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 INITIALIZED_ATTR = "initialized"
-ANCHOR_ATTR = "anchor_seconds"
 
 ProgressCallback = Callable[[int, int, TrialResult | None, DeviceInfo], None]
 
