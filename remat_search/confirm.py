@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import optuna
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
+from remat_search.errors import NoFeasiblePlan, RunError, SpecError
+from remat_search.measurement import anchor_plan
 from remat_search.plan import RematPlan
 from remat_search.results import Confirmed, StudyReport, TrialResult, load_confirmations, study_report
 from remat_search.runner import Runner
-from remat_search.store import CONFIRMATION_ATTR, load_study, open_storage, translate_errors
+from remat_search.store import ANCHOR_ATTR, CONFIRMATION_ATTR, load_study, open_storage, translate_errors
 from remat_search.study import Progress, ProgressCallback, resolve_budget, runner_for, spec_of_study
 
 
@@ -95,6 +96,17 @@ def candidates(report: StudyReport, budget: int, top: int, *, presets: bool = Tr
     return ranked[:top] + [t for t in ranked[top:] if presets and _is_preset(t.plan)]
 
 
+def _session_anchor(study: optuna.Study, report: StudyReport, budget: int) -> RematPlan | None:
+    """The anchor plan to time in a confirmation session, where the study times against it
+    (it has anchor seconds) and one of its trials shows the anchor fits ``budget``; else None,
+    and the session's times stand alone."""
+    if ANCHOR_ATTR not in study.user_attrs or not report.trials or report.trials[0].plan is None:
+        return None
+    anchor = anchor_plan(len(report.trials[0].plan.layers))
+    fits = any(t.plan == anchor and t.peak_bytes is not None and t.peak_bytes <= budget for t in report.timed())
+    return anchor if fits else None
+
+
 def _is_preset(plan: RematPlan | None) -> bool:
     """One policy on every layer, checkpointed layer by layer: what people pick by hand."""
     return plan is not None and plan.layout == "flat" and plan.is_uniform
@@ -125,15 +137,20 @@ def confirm(
         tell(Progress(event="confirmed", plans=len(chosen), rounds=stored, reused=True))
         return report
     tell(Progress(event="confirm", plans=len(chosen), rounds=rounds))
-    times = runner.retime([t.plan for t in chosen], warmup=warmup, rounds=rounds, budget=budget)
-    if len(times) != len(chosen):
-        raise RematSearchError("confirm: the worker returned times for another number of plans")
+    plans = [t.plan for t in chosen]
+    anchor = _session_anchor(study, report, budget)
+    if anchor is not None and anchor not in plans:
+        plans.append(anchor)  # timed in the session, so the confirmed times are in the study's units
+    times = runner.retime(plans, warmup=warmup, rounds=rounds, budget=budget)
+    if len(times) != len(plans):
+        raise RunError("confirm: the worker returned times for another number of plans")
+    anchor_times = times[plans.index(anchor)] if anchor is not None else ()
     # Medians of one session compare; those of another, on a machine in another mood, do not:
     # the new session replaces the old.
     session = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
     study.set_user_attr(CONFIRMATION_ATTR, {
-        str(t.number): Confirmed(times=seconds, rounds=rounds, session=session).model_dump()
-        for t, seconds in zip(chosen, times, strict=True)
+        str(t.number): Confirmed(times=seconds, rounds=rounds, session=session, anchor_times=anchor_times).model_dump()
+        for t, seconds in zip(chosen, times[: len(chosen)], strict=True)
     })
     tell(Progress(event="confirmed", plans=len(chosen), rounds=rounds))
     return study_report(study)
@@ -167,4 +184,4 @@ def confirm_study(
     confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
     if len(confirmed) < 2:
         return report, []
-    return report, sorted(confirmed, key=lambda t: t.confirmed.median)
+    return report, sorted(confirmed, key=lambda t: (t.seconds, t.number))

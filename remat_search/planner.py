@@ -549,10 +549,10 @@ def advise(study: optuna.Study, budget: int) -> Advice:
         labels=space.layer_labels(params), predicted=best, measured=measured_trial(report, plan),
         observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
     )
-    if fastest is None or fastest.plan == plan or fastest.step_seconds is None:
+    if fastest is None or fastest.plan == plan or fastest.seconds is None:
         return advice
     seconds, how = _expected_seconds(advice)
-    if fastest.step_seconds >= seconds:
+    if fastest.seconds >= seconds:
         return advice
     return _measured_advice(study, budget, model, space, fastest, (
         f"{_described(fastest)} is faster than the model's plan ({plan.summary(advice.labels)}, {how})"
@@ -584,14 +584,14 @@ def _expected_seconds(advice: Advice) -> tuple[float, str]:
     assert predicted is not None
     if m is not None and m.peak_bytes is not None and m.peak_bytes > advice.budget:
         return math.inf, f"trial {m.number}, measured over the budget at {format_bytes(m.peak_bytes)}"
-    if m is not None and m.status == "measured" and m.step_seconds is not None:
-        return m.step_seconds, f"trial {m.number}, measured at {format_seconds(m.step_seconds)}"
+    if m is not None and m.status == "measured" and m.seconds is not None:
+        return m.seconds, f"trial {m.number}, measured at {format_seconds(m.seconds)}"
     return predicted.seconds, f"predicted at {format_seconds(predicted.seconds)}"
 
 
 def _described(t: TrialResult) -> str:
-    assert t.peak_bytes is not None and t.step_seconds is not None
-    seconds, peak = format_seconds(t.step_seconds), format_bytes(t.peak_bytes)
+    assert t.peak_bytes is not None and t.seconds is not None
+    seconds, peak = format_seconds(t.seconds), format_bytes(t.peak_bytes)
     return f"trial {t.number} ({t.summary()}) measured {seconds} at {peak}"
 
 

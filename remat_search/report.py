@@ -1,10 +1,10 @@
 """Reading a study back: the Pareto front, the best plan under any budget, summaries, a plot.
 
 Everything here reads storage and never writes it, so queries are cheap and safe to run
-beside a search. The front is optuna's own (``study.best_trials``: feasible, complete,
-non-dominated in step time and peak bytes); the best plan for a budget is the fastest
-*timed* plan whose compiled peak fits it, across every trial of the study, by its
-confirmed (re-timed) median where it has one.
+beside a search. Every plan has one step time in all of them (``TrialResult.seconds``: its
+confirmed time where it was re-timed, else the search's): the front is the plans no other
+beats in both peak and that time, and the best plan for a budget is the fastest timed plan
+whose compiled peak fits it, which is on that front.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def list_studies(storage: str | None = None) -> list[StudySummary]:
         for s in optuna.get_all_study_summaries(opened, include_best_trial=False):
             study = optuna.load_study(study_name=s.study_name, storage=opened)
             states = [t.state for t in study.get_trials(deepcopy=False)]
-            front = [t.values[0] for t in study.best_trials]
+            front = [t.seconds for t in study_report(study).front]
             device = study.user_attrs.get("device_info", {})
             out.append(StudySummary(
                 study=s.study_name,
@@ -93,15 +93,19 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
     unit, scale = ("GiB", 2**30) if max(peaks) > 4 * 2**30 else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     timed = report.timed()
-    ax.scatter([t.peak_bytes / scale for t in timed], [t.step_seconds * 1e3 for t in timed],
+    ax.scatter([t.peak_bytes / scale for t in timed], [t.seconds * 1e3 for t in timed],
                s=18, color="0.6", label="timed plans")
-    front = [t for t in report.front if t.step_seconds is not None]
-    ax.plot([t.peak_bytes / scale for t in front], [t.step_seconds * 1e3 for t in front],
+    confirmed = [t for t in timed if t.time_source == "confirmed"]
+    if confirmed:
+        ax.scatter([t.peak_bytes / scale for t in confirmed], [t.seconds * 1e3 for t in confirmed],
+                   s=60, facecolors="none", edgecolors="tab:green", label="confirmed (re-timed)")
+    front = list(report.front)
+    ax.plot([t.peak_bytes / scale for t in front], [t.seconds * 1e3 for t in front],
             "o-", color="tab:blue", label="Pareto front")
     for t in timed:
         if t.plan is not None and t.plan.is_uniform:  # a uniform preset: name it
             ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
-                        (t.peak_bytes / scale, t.step_seconds * 1e3),
+                        (t.peak_bytes / scale, t.seconds * 1e3),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
     over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
     compiled = [t for t in over if t.measurement is not None and t.measurement.compiled]
@@ -117,7 +121,8 @@ def plot_report(report: StudyReport, path: str | Path) -> Path:
         ax.axvline(report.budget / scale, color="tab:red", linestyle="--", label="budget")
     ax.set_xlabel(f"compiled peak memory per device ({unit})")
     estimated = report.device.get("executes") is False
-    ax.set_ylabel("estimated step time (ms, roofline)" if estimated else "median step time (ms)")
+    ax.set_ylabel("estimated step time (ms, roofline)" if estimated
+                  else "step time (ms): confirmed where re-timed, else the search's")
     ax.set_title(f"{report.study} on {report.device.get('platform', '?')} "
                  f"({report.device.get('device_kind', '?')}): step time vs peak memory")
     ax.legend(fontsize=8)

@@ -8,7 +8,7 @@ and ``report.py`` answers users' queries with them.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -41,10 +41,22 @@ class Confirmed(BaseModel):
     rounds: int
     session: str
     """When the session ran (UTC, ISO 8601): plans confirmed together share it."""
+    anchor_times: tuple[float, ...] = ()
+    """The anchor plan's step in each round of the session, where the study times against
+    the anchor (``timing.anchor``): the plan's per-round ratio to it states the confirmed time
+    in the study's anchor seconds, like every search time of the study."""
 
     @property
     def median(self) -> float:
+        """The median of the re-timed steps, in this session's seconds."""
         return statistics.median(self.times)
+
+    @property
+    def anchor_ratio(self) -> float | None:
+        """The median of the per-round ratios to the anchor (None if the session had none)."""
+        if not self.anchor_times:
+            return None
+        return statistics.median(t / a for t, a in zip(self.times, self.anchor_times, strict=True))
 
     @property
     def spread(self) -> float:
@@ -94,8 +106,37 @@ class TrialResult(BaseModel):
 
     @property
     def step_seconds(self) -> float | None:
-        """Measured median step time, or the estimate where nothing ran."""
+        """The search's step time of the plan (its anchored median, or the estimate where
+        nothing ran): what the trial's optuna objective holds."""
         return self.measurement.step_seconds if self.measurement else None
+
+    @property
+    def confirmed_seconds(self) -> float | None:
+        """The confirmed step time in the study's units, where it compares with the search's
+        times: the median ratio to the anchor in the study's anchor seconds, or, in a study
+        that does not time against the anchor, the confirmed median; else None."""
+        c, m = self.confirmed, self.measurement
+        if c is None or m is None:
+            return None
+        if c.anchor_ratio is not None and m.anchor_seconds:
+            return c.anchor_ratio * m.anchor_seconds
+        return c.median if not m.anchor_seconds and not c.anchor_times else None
+
+    @property
+    def seconds(self) -> float | None:
+        """The plan's one step time, in every command and picture: confirmed where it was
+        re-timed (:attr:`confirmed_seconds`), else the search's (:attr:`step_seconds`)."""
+        confirmed = self.confirmed_seconds
+        return confirmed if confirmed is not None else self.step_seconds
+
+    @property
+    def time_source(self) -> Literal["confirmed", "search", "estimated"] | None:
+        """Where :attr:`seconds` comes from."""
+        if self.confirmed_seconds is not None:
+            return "confirmed"
+        if self.step_seconds is None:
+            return None
+        return "estimated" if self.time_estimated else "search"
 
 
 
@@ -162,20 +203,12 @@ class StudyReport(BaseModel):
         return out
 
     def best(self, budget: int) -> TrialResult:
-        """The fastest timed plan whose peak fits ``budget``; else :class:`NoFeasiblePlan`.
-
-        Plans rank by their search medians; where the fastest of them was confirmed (re-timed
-        interleaved with the others of its session), the confirmed plans that fit rank among
-        themselves by their confirmed medians instead. Medians of different sessions are never
-        compared.
-        """
+        """The fastest timed plan whose peak fits ``budget``, by each plan's one time
+        (:attr:`TrialResult.seconds`: confirmed where re-timed); else :class:`NoFeasiblePlan`.
+        It is the fastest plan of :attr:`front` that fits."""
         fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
         if fitting:
-            fastest = min(fitting, key=lambda t: (t.step_seconds, t.peak_bytes, t.number))
-            confirmed = [t for t in fitting if t.confirmed is not None]
-            if fastest.confirmed is None:
-                return fastest
-            return min(confirmed, key=lambda t: (t.confirmed.median, t.peak_bytes, t.number))
+            return min(fitting, key=lambda t: (t.seconds, t.peak_bytes, t.number))
         peaks = [t for t in self.trials if t.peak_bytes is not None and t.measurement and t.measurement.compiled]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
@@ -201,20 +234,24 @@ def study_report(study: optuna.Study) -> StudyReport:
     """Build the report of an open study."""
     confirmed = load_confirmations(study)
     trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
-    by_number = {t.number: t for t in trials}
-    front, seen = [], set()
-    # optuna's front: complete, feasible trials, so never a screened-out plan (pruned, no values).
-    for t in sorted(study.best_trials, key=lambda t: (t.values[1], t.values[0], t.number)):
-        result = by_number[t.number]
-        if result.plan is not None and result.plan.digest not in seen:
-            seen.add(result.plan.digest)
-            front.append(result)
-    return StudyReport(
+    report = StudyReport(
         study=study.study_name,
         budget=int(study.user_attrs.get("budget", 0)),
         device=study.user_attrs.get("device_info", {}),
         trials=trials,
-        front=tuple(front),
+        front=(),
     )
+    return report.model_copy(update={"front": tuple(pareto(report.timed()))})
+
+
+def pareto(trials: list[TrialResult]) -> list[TrialResult]:
+    """The plans no other plan beats in both peak and step time (each by its one time,
+    :attr:`TrialResult.seconds`), least memory first. Only plans that ran or were estimated
+    within the study's budget take part: never a screened-out or over-budget one."""
+    front: list[TrialResult] = []
+    for t in sorted(trials, key=lambda t: (t.peak_bytes, t.seconds, t.number)):
+        if not front or t.seconds < front[-1].seconds:
+            front.append(t)
+    return front
 
 

@@ -42,6 +42,7 @@ from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import Space
 from remat_search.spec import SearchSpec
 from remat_search.store import (
+    ANCHOR_ATTR,
     CACHED_ATTR,
     FAILURE_ATTR,
     HOST_ATTR,
@@ -80,7 +81,6 @@ logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
 STARTED_ATTR = "pid_started"
 INITIALIZED_ATTR = "initialized"
-ANCHOR_ATTR = "anchor_seconds"
 
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
     """Search ``spec`` until its study holds ``spec.trials`` finished trials; return the report.

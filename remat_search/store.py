@@ -38,6 +38,8 @@ LAYERS_ATTR = "layers"
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"
+ANCHOR_ATTR = "anchor_seconds"
+"""The study's reference time of the anchor plan, in which its anchored step times are stated."""
 
 TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
 

@@ -147,6 +147,15 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     assert best.summary() == "none×3"
     assert best.confirmed is not None and len(best.confirmed.times) == 3
     assert best.confirmed.median < best.step_seconds  # confirmed faster than the search saw it
+    # One time per plan: the confirmed ratio to the anchor (full remat, timed in the same rounds)
+    # in the study's anchor seconds, the unit of every search time, in best, the front and show.
+    report = remat_search.load_report("tiny", storage)
+    full = next(t for t in report.trials if t.summary() == "full×3")
+    assert best.time_source == "confirmed" and best.confirmed.anchor_times == full.confirmed.times
+    assert best.seconds == pytest.approx(best.confirmed.anchor_ratio * best.measurement.anchor_seconds)
+    assert best.seconds < best.step_seconds
+    assert [t.number for t in report.front][-1] == best.number  # the front's fastest is best's answer
+    assert min(t.seconds for t in report.front) == best.seconds
     rows = [line for line in result.stdout.splitlines() if "×3" in line]
     assert "none×3" in rows[0] and "full×3" in rows[1]  # ranked by the confirmed medians
     assert "≈" not in result.stdout  # 20 ms slower in every round: not within noise
