@@ -177,7 +177,7 @@ def run(
         )
         raise typer.Exit(130) from None
     output.console.print(output.front_table(report))
-    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: t.confirmed.median)
+    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: (t.seconds, t.number))
     if confirmed:
         output.console.print(output.confirmed_table(report, confirmed))
     screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)

@@ -56,7 +56,7 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
     narrow = _narrow()
     columns = {
         "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _NUMBER, "spread": _NUMBER,
-        "confirmed": _NUMBER, "GFLOP": _NUMBER, "status": _STATUS,
+        "GFLOP": _NUMBER, "status": _STATUS,
     }
     if narrow:
         del columns["spread"], columns["GFLOP"]
@@ -78,30 +78,40 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             "trial": str(t.number),
             "plan": t.summary(),
             "peak": peak,
-            "step": _seconds(t.step_seconds, estimated=t.time_estimated),
-            "spread": f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—",
-            "confirmed": _confirmed(t, spread=not narrow),
+            "step": step_text(t),
+            "spread": _spread(t),
             "GFLOP": _gflop(m.flops) if m and m.flops is not None else "—",
             "status": Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
         }
         table.add_row(*(cells[c] for c in columns))
-    if not narrow:
-        table.caption = SPREAD_NOTE
-        table.caption_justify = "left"
+    table.caption = TIME_NOTE + ("" if narrow else "; " + SPREAD_NOTE)
+    table.caption_justify = "left"
     return table
 
 
+TIME_NOTE = (
+    "step: each plan's one time, ✓ confirmed (re-timed interleaved with the others), else the search's; "
+    "both in the study's anchor seconds where it times against the anchor"
+)
 SPREAD_NOTE = (
-    "spread ±x%: half the (max − min) / median range of the trial's timed repeats "
-    "(of its per-step ratios to the anchor where anchored)"
+    "spread ±x%: half the (max − min) / median range of the repeats behind the step (the trial's "
+    "timed repeats, or its re-timed rounds where confirmed; of the ratios to the anchor where anchored)"
 )
 
 
-def _confirmed(t: TrialResult, *, spread: bool = True) -> str:
-    c = t.confirmed
-    if c is None:
+def step_text(t: TrialResult) -> str:
+    """A plan's one time as tables print it: ``80.3 ms ✓`` where confirmed, ``(est.)`` where estimated."""
+    if t.seconds is None:
         return "—"
-    return format_seconds(c.median) + (f" ±{c.spread / 2:.0%}" if spread else "")
+    return format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": " (est.)"}.get(t.time_source or "", "")
+
+
+def _spread(t: TrialResult) -> str:
+    c, m = t.confirmed, t.measurement
+    if t.time_source == "confirmed" and c is not None:
+        ratios = [a / b for a, b in zip(c.times, c.anchor_times, strict=True)] if c.anchor_times else c.times
+        return f"±{relative_spread(ratios) / 2:.0%}"
+    return f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—"
 
 
 def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
@@ -113,11 +123,11 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     coverage = interval_order(len(confirmed[0].confirmed.times))[1] if confirmed[0].confirmed else 0.0
     versus_column = f"vs fastest ({coverage:.0%} interval)"
     columns = {
-        "rank": _NUMBER, "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "confirmed median": _NUMBER,
-        "spread": _NUMBER, versus_column: {"justify": "right"}, "search median": _NUMBER, "search rank": _NUMBER,
+        "rank": _NUMBER, "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _NUMBER,
+        "spread": _NUMBER, versus_column: {"justify": "right"}, "search rank": _NUMBER,
     }
     if narrow:
-        for name in ("rank", "spread", "search median", "search rank"):
+        for name in ("rank", "spread", "search rank"):
             del columns[name]
     table = _table(f"Confirmed plans of {report.study!r}, re-timed interleaved (fastest first)", columns)
     by_search = sorted(confirmed, key=lambda t: (t.step_seconds, t.number))
@@ -132,13 +142,12 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
         cells = {
             "rank": str(rank), "trial": str(t.number), "plan": t.summary(),
             "peak": format_bytes(t.peak_bytes) if t.peak_bytes else "—",
-            "confirmed median": format_seconds(t.confirmed.median), "spread": f"±{t.confirmed.spread / 2:.0%}",
-            versus_column: versus, "search median": format_seconds(t.step_seconds) if t.step_seconds else "—",
-            "search rank": str(by_search.index(t) + 1),
+            "step": step_text(t), "spread": _spread(t),
+            versus_column: versus, "search rank": str(by_search.index(t) + 1),
         }
         table.add_row(*(cells[c] for c in columns))
     table.caption = (
-        ("" if narrow else "spread ±x%: half the (max − min) / median range of the plan's re-timed steps; ")
+        TIME_NOTE + "; " + ("" if narrow else SPREAD_NOTE + "; search rank: by the search's times; ")
         + "vs fastest: the median of the per-round ratios to the fastest, with an interval that holds the true "
         f"ratio with {coverage:.0%} probability at this many rounds."
     )
@@ -167,7 +176,7 @@ def advice_table(advice: Advice) -> Group:
     measured, p = advice.measured, advice.predicted
     for name, predicted, seen, fmt in (
         ("peak", p and p.peak, measured.peak_bytes if measured else None, lambda v: format_bytes(int(v))),
-        ("step", p and p.seconds, measured.step_seconds if measured else None, format_seconds),
+        ("step", p and p.seconds, measured.seconds if measured else None, format_seconds),
     ):
         error = f"{predicted / seen - 1:+.1%}" if seen and predicted else "—"
         table.add_row(name, fmt(predicted) if predicted else "—", fmt(seen) if seen else "—", error)
@@ -223,7 +232,7 @@ def trial_line(t: TrialResult, done: int, total: int) -> str:
         line += f", peak ~{format_bytes(m.screened_bytes)} predicted: not compiled, never run"
     elif t.peak_bytes is not None:
         line += f", peak {format_bytes(t.peak_bytes)}"
-        line += f", step {_seconds(t.step_seconds, estimated=t.time_estimated)}" if t.step_seconds else ": never run"
+        line += f", step {step_text(t)}" if t.seconds else ": never run"
     if t.reused_from is not None:
         line += f" (= trial {t.reused_from}: the same plan, its measurement reused)"
     if t.cached_from:
@@ -262,7 +271,7 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
     columns = {
         "study": {"overflow": "fold", "ratio": 1}, "device": {}, "budget": _NUMBER,
         "complete": _NUMBER, "failed": _NUMBER, "running": _NUMBER, "trials": {},
-        "fastest feasible": _NUMBER,
+        "fastest (step)": _NUMBER,
     }
     for name in ("complete", "failed", "running") if narrow else ("trials",):
         del columns[name]
@@ -274,7 +283,7 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
             "trials": f"{s.complete} complete" + "".join(
                 f", {n} {what}" for n, what in ((s.failed, "failed"), (s.running, "running")) if n
             ),
-            "fastest feasible": _seconds(s.fastest_seconds, estimated=s.estimated),
+            "fastest (step)": _seconds(s.fastest_seconds, estimated=s.estimated),
         }
         table.add_row(*(cells[c] for c in columns))
     return table
@@ -341,7 +350,11 @@ def describe_trial(t: TrialResult) -> str:
         lines.append(
             f"  confirmed: median {format_seconds(c.median)}, spread {c.spread:.0%} over {len(c.times)} "
             f"interleaved rounds ({c.session})"
+            + (f"; median ratio {c.anchor_ratio:.3f} to the anchor timed in the same rounds" if c.anchor_ratio else "")
         )
+    if t.seconds is not None:
+        source = {"confirmed": "its confirmed time", "search": "the search's time", "estimated": "the estimate"}
+        lines.append(f"  its one time, in every table and the plot: {step_text(t)} ({source[t.time_source or 'search']})")
     if t.prediction and m and m.peak_bytes:
         p = t.prediction
         lines.append(

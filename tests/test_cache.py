@@ -23,6 +23,7 @@ from remat_search.measurement import (
 )
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.spec import parse_spec
+from remat_search.units import format_seconds
 
 from .conftest import spec_dict
 from .workloads import counting
@@ -161,7 +162,7 @@ def test_confirmation_reorders_by_interleaved_medians(delayed_study, cli) -> Non
     assert "≈" not in result.stdout  # 20 ms slower in every round: not within noise
     said = " ".join(result.stdout.split())
     assert "holds the true ratio with 75% probability" in said  # 3 rounds: 1 − 2/2³, not 95%
-    assert "spread ±x%: half the (max − min) / median range of the plan's re-timed steps" in said
+    assert "spread ±x%: half the (max − min) / median range of the repeats behind the step" in said
 
     stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["confirmation"]
     assert {s["session"] for s in stored.values()} == {best.confirmed.session}  # one interleaved session
@@ -309,3 +310,27 @@ def test_a_worker_keeps_the_most_recently_used_executables_and_the_anchor(tmp_pa
     assert _compiled(log) == [anchor.digest, none.digest, dots.digest, attn.digest]
     executables.build(dots)
     assert _compiled(log)[-1] == dots.digest  # dropped, so compiled again
+
+
+def test_a_confirmed_plan_shows_one_time_in_every_command(delayed_study, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, delays = delayed_study
+    delays.write_text(json.dumps({"full×3": 20}))
+    assert cli("confirm", "--study", "tiny", "--storage", storage, "--rounds", "3").exit_code == 0
+    best = remat_search.best_plan("tiny", "1GiB", storage)
+    shown = format_seconds(best.seconds)
+    assert best.time_source == "confirmed" and shown != format_seconds(best.step_seconds)
+    outputs = {
+        "best": cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage).stdout,
+        "pareto": cli("pareto", "--study", "tiny", "--storage", storage).stdout,
+        "show": cli("show", "--study", "tiny", "--storage", storage).stdout,
+        "show --trial": cli("show", "--study", "tiny", "--trial", str(best.number), "--storage", storage).stdout,
+        "studies": cli("studies", "--storage", storage).stdout,
+    }
+    for command, text in outputs.items():
+        assert shown in text, command
+        if command not in ("best", "show --trial"):  # those add the trial's full account, search time named as such
+            assert format_seconds(best.step_seconds) not in text, command  # no second time for the plan
+    for command in ("best", "pareto", "show"):
+        assert f"{shown} ✓" in outputs[command] and "✓ confirmed" in " ".join(outputs[command].split()), command
+    for command in ("best", "show --trial"):
+        assert f"its one time, in every table and the plot: {shown} ✓ (its confirmed time)" in outputs[command]

@@ -167,7 +167,7 @@ def test_show_says_when_a_plan_ran_unchecked(tmp_path: Path, cli) -> None:  # ty
     assert "gradients not checked: the reference, full remat, needs" in " ".join(shown.stdout.split())
     full = cli("show", "--study", "tiny", "--trial", "0", "--storage", storage).stdout
     table = " ".join(cli("show", "--study", "tiny", "--storage", storage).stdout.split())
-    assert "spread ±x%: half the (max − min) / median range of the trial's timed repeats" in table
+    assert "spread ±x%: half the (max − min) / median range of the repeats behind the step (the trial's timed repeats" in table
     assert "over_budget" in full and "gradients" not in full
 
 
