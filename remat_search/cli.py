@@ -2,8 +2,9 @@
 
 Each command checks its flags, calls one library function and prints through
 ``output.py``. Errors are mapped to exit codes in one place (:data:`EXIT_CODES`): bad input
-exits 2 with one line naming the field, "nothing fits" exits 1. Set ``REMAT_SEARCH_DEBUG=1``
-to see tracebacks.
+exits 2 with one line naming the field, "nothing fits" exits 1, a failure at run time 3 with
+its reason (an unexpected exception too, by its type and message). Set
+``REMAT_SEARCH_DEBUG=1`` to see tracebacks (the worker's own, for a failed candidate).
 """
 
 from __future__ import annotations
@@ -26,16 +27,26 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from remat_search import output
-from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError, WorkloadError
+from remat_search.errors import (
+    NoFeasiblePlan,
+    RematSearchError,
+    RunError,
+    SpecError,
+    StorageError,
+    WorkloadError,
+)
 from remat_search.spec import STORAGE_ENV, check_study_name, default_storage
 from remat_search.units import format_bytes, format_seconds, parse_bytes, size_argument
 
-EXIT_CODES: dict[type[RematSearchError], int] = {
+EXIT_CODES: dict[type[Exception], int] = {
     SpecError: 2,
     StorageError: 2,
     WorkloadError: 2,
     NoFeasiblePlan: 1,
+    RunError: 3,
 }
+RUNTIME_FAILURE = 3
+"""The exit code of a failure at run time: a :class:`RunError`, or any unexpected exception."""
 
 app = typer.Typer(
     name="remat-search",
@@ -103,17 +114,24 @@ def _options(
 
 
 def _handle_errors(command: F) -> F:
-    """Print a :class:`RematSearchError` as one line and exit with its code."""
+    """Print an error as one line and exit with its code (:data:`EXIT_CODES`; any other
+    failure, a :class:`RunError` or an unexpected exception, exits :data:`RUNTIME_FAILURE`)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except RematSearchError as e:
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as e:
             if os.environ.get("REMAT_SEARCH_DEBUG"):
                 raise
-            output.errors.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False, soft_wrap=True)
-            raise typer.Exit(EXIT_CODES.get(type(e), 2)) from None
+            message = str(e) if isinstance(e, RematSearchError) else (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'} "
+                "(unexpected; REMAT_SEARCH_DEBUG=1 shows the traceback)"
+            )
+            output.errors.print(f"[red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_CODES.get(type(e), RUNTIME_FAILURE)) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from remat_search import cache
 from remat_search.confirm import confirm
-from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError
+from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
 from remat_search.measurement import Measurement
 from remat_search.plan import RematPlan
 from remat_search.planner import (
@@ -105,31 +105,32 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
             )
         budget = resolve_budget(spec.budget, device)
         storage = open_storage(spec.storage, create=True)
-        with translate_errors(spec.storage):
+        with translate_errors(spec.storage):  # the storage calls that open the study; later ones fail at run time
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, space)
             _requeue_interrupted(study, storage, space.n_params)
-            tell(Progress(
-                event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget
-            ))
-            # Counted afresh each time: other processes may be searching the same study.
-            while (done := finished_trials(study)) < spec.trials:
-                result = _run_trial(
-                    spec, budget, study, runner, space, storage.engine, device,
-                    begins=lambda t: tell(Progress(event="trial", done=done, total=spec.trials, trial=t)),
+        tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
+        # Counted afresh each time: other processes may be searching the same study.
+        while (done := finished_trials(study)) < spec.trials:
+            result = _run_trial(
+                spec, budget, study, runner, space, storage.engine, device,
+                begins=lambda t: tell(Progress(event="trial", done=done, total=spec.trials, trial=t)),
+            )
+            tell(Progress(event="result", done=done + 1, total=spec.trials, trial=result))
+        if spec.confirm.top and device.executes:
+            try:
+                return confirm(
+                    study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
+                    warmup=spec.timing.warmup, presets=spec.confirm.presets, on_progress=on_progress,
                 )
-                tell(Progress(event="result", done=done + 1, total=spec.trials, trial=result))
-            if spec.confirm.top and device.executes:
-                try:
-                    return confirm(
-                        study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
-                        warmup=spec.timing.warmup, presets=spec.confirm.presets, on_progress=on_progress,
-                    )
-                except NoFeasiblePlan:
-                    pass  # nothing ran within the budget: nothing to confirm
-                except RematSearchError as e:  # the search's own results stand without it
-                    logger.warning("confirmation skipped: %s", e)
-            return study_report(study)
+            except NoFeasiblePlan:
+                pass  # nothing ran within the budget: nothing to confirm
+            except RematSearchError as e:
+                raise RunError(
+                    f"{e}; the search's {finished_trials(study)} trials are kept, and "
+                    f"`remat-search confirm --study {spec.study}` tries the confirmation again"
+                ) from None
+        return study_report(study)
 
 
 def _run_trial(

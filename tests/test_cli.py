@@ -197,3 +197,22 @@ def test_show_rejects_a_trial_the_study_does_not_have(cli, tmp_path: Path, stora
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
     assert "--trial: study 'tiny' has no trial 7" in result.stderr
     assert db.read_bytes() == before
+
+
+def test_a_failure_at_run_time_exits_3_with_its_reason_not_2(cli, tmp_path: Path, storage_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 is for bad input only. A study whose stored measurement no longer reads (here:
+    written by hand) is no bad flag: one line with the exception's type and message, exit 3;
+    REMAT_SEARCH_DEBUG=1 lets the traceback through instead."""
+    import optuna
+
+    study = optuna.create_study(study_name="tiny", storage=storage_url, directions=["minimize", "minimize"])
+    trial = study.ask()
+    trial.set_user_attr("measurement", "{not json")
+    study.tell(trial, [1.0, 1.0])
+    result = cli("show", "--study", "tiny", "--storage", storage_url)
+    assert result.exit_code == 3, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ValidationError: ") and result.stderr.count("\n") == 1
+    assert "REMAT_SEARCH_DEBUG=1 shows the traceback" in result.stderr
+    monkeypatch.setenv("REMAT_SEARCH_DEBUG", "1")
+    with pytest.raises(ValueError, match="Invalid JSON"):
+        cli("show", "--study", "tiny", "--storage", storage_url)

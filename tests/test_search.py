@@ -250,3 +250,29 @@ def test_resuming_with_other_repeats_or_sampler_is_allowed_and_said(finished, cl
     assert [t.number for t in remat_search.load_report("tiny", storage).trials] == [t.number for t in report.trials]
     back = cli("run", str(spec_path))  # and back again: said again, still allowed
     assert back.exit_code == 0 and "note: spec.timing.repeats changed from 3 to 2" in back.stderr
+
+
+def test_a_failed_confirmation_keeps_the_search_and_fails_the_run(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+    """The machine turns slow (10 s a step) as the confirmation starts: the re-timing runs past
+    its timeout, the run fails at run time (exit 3, not 0 and not "bad input"), and the
+    search's trials stay as they were."""
+    delays = tmp_path / "delays.json"
+    delays.write_text("{}")
+    spec = parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, timing={**FAST_TIMING, "timeout": "3s"},
+    ))
+
+    def slow_down(p: remat_search.study.Progress) -> None:
+        if p.event == "confirm":
+            delays.write_text(json.dumps({"*": 10_000}))
+
+    with pytest.raises(remat_search.RunError, match="re-timing timed out.*the search's 2 trials are kept"):
+        remat_search.run(spec, on_progress=slow_down)
+    report = remat_search.load_report("tiny", storage_url)
+    assert [t.status for t in report.trials] == ["measured", "measured"]
+    assert not any(t.confirmed for t in report.trials)
+
+    result = cli("confirm", "--study", "tiny", "--storage", storage_url, "--rounds", "2")
+    assert result.exit_code == 3, result.stdout + result.stderr
+    assert result.stderr.startswith("error: confirm: re-timing timed out") and result.stderr.count("\n") == 1
