@@ -10,25 +10,46 @@ The public API::
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
 """
 
-from remat_search.confirm import Comparison, compare_times, confirm_study
-from remat_search.errors import (
-    NoFeasiblePlan,
-    RematSearchError,
-    RunError,
-    SpecError,
-    StorageError,
-    WorkloadError,
-)
-from remat_search.measurement import Measurement, MemoryBreakdown
-from remat_search.plan import RematPlan, apply_layers, scan_layers
-from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
-from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
-from remat_search.report import best_plan, list_studies, load_report, pareto_front
-from remat_search.results import StudyReport, TrialResult
-from remat_search.search import plan_for_budget, run
-from remat_search.spec import SearchSpec, load_spec
-from remat_search.units import parse_bytes
-from remat_search.workload import Workload, build_workload
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from remat_search.confirm import Comparison, compare_times, confirm_study
+    from remat_search.errors import (
+        NoFeasiblePlan,
+        RematSearchError,
+        RunError,
+        SpecError,
+        StorageError,
+        WorkloadError,
+    )
+    from remat_search.measurement import Measurement, MemoryBreakdown
+    from remat_search.plan import RematPlan, apply_layers, scan_layers
+    from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
+    from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
+    from remat_search.report import best_plan, list_studies, load_report, pareto_front
+    from remat_search.results import StudyReport, TrialResult
+    from remat_search.search import plan_for_budget, run
+    from remat_search.spec import SearchSpec, load_spec
+    from remat_search.units import parse_bytes
+    from remat_search.workload import Workload, build_workload
+
+_API: dict[str, str] = {
+    **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.confirm"),
+    **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
+    **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measurement"),
+    **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers'), "remat_search.plan"),
+    **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.planner"),
+    **dict.fromkeys(('POLICIES', 'LayerPolicy', 'PolicyKind', 'checkpoint_policy', 'register_policy'), "remat_search.policy"),
+    **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report"),
+    **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.results"),
+    **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search"),
+    **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec"),
+    **dict.fromkeys(('parse_bytes',), "remat_search.units"),
+    **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workload"),
+}
+"""Each public name and the module that defines it."""
+
 
 __all__ = [
     "POLICIES",
@@ -68,3 +89,18 @@ __all__ = [
     "scan_layers",
     "solve_front",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module when the name is first used: ``remat-search --help`` and
+    the query commands then load only what they need (no JAX, no planner), which keeps each
+    under a second."""
+    if name not in _API:
+        raise AttributeError(f"module 'remat_search' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from remat_search.confirm import compare_times, interval_order
-from remat_search.measurement import relative_spread
-from remat_search.planner import Advice
-from remat_search.report import StudySummary
-from remat_search.results import StudyReport, TrialResult
-from remat_search.study import Progress
 from remat_search.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
+    from remat_search.planner import Advice
+    from remat_search.report import StudySummary
+    from remat_search.results import StudyReport, TrialResult
+    from remat_search.study import Progress
 
 console = Console()
 errors = Console(stderr=True)
@@ -107,6 +108,8 @@ def step_text(t: TrialResult) -> str:
 
 
 def _spread(t: TrialResult) -> str:
+    from remat_search.measurement import relative_spread
+
     c, m = t.confirmed, t.measurement
     if t.time_source == "confirmed" and c is not None:
         ratios = [a / b for a, b in zip(c.times, c.anchor_times, strict=True)] if c.anchor_times else c.times
@@ -119,6 +122,8 @@ def confirmed_table(report: StudyReport, confirmed: list[TrialResult]) -> Table:
     how much slower than the fastest it is (paired by round, with an interval whose real
     coverage at that many rounds the header states). On a narrow terminal: trial, plan, peak,
     confirmed median and the comparison only."""
+    from remat_search.confirm import compare_times, interval_order
+
     narrow = _narrow()
     coverage = interval_order(len(confirmed[0].confirmed.times))[1] if confirmed[0].confirmed else 0.0
     versus_column = f"vs fastest ({coverage:.0%} interval)"
@@ -291,6 +296,8 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
 
 def describe_trial(t: TrialResult) -> str:
     """A multi-line account of one trial: per-layer plan and the whole measurement."""
+    from remat_search.measurement import relative_spread
+
     lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
     if t.plan:
         labels = t.labels if len(t.labels) == len(t.plan.layers) else [""] * len(t.plan.layers)
