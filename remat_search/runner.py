@@ -23,14 +23,8 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import RematSearchError, SpecError, WorkloadError
-from remat_search.measurement import (
-    MEASUREMENT_SCHEMA,
-    Executables,
-    Measurement,
-    compiler_options,
-    measure,
-    retime,
-)
+from remat_search.executables import Executables, compiler_options, measure, retime
+from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
 from remat_search.plan import RematPlan
 from remat_search.spec import Target, TimingConfig, WorkloadConfig
 from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
@@ -129,7 +123,7 @@ class Runner:
         self, plans: list[RematPlan], *, warmup: int, rounds: int, budget: int | None = None
     ) -> list[tuple[float, ...]]:
         """Time ``plans`` interleaved in the worker, with the executables it kept (see
-        :func:`measurement.retime`); a plan over ``budget`` is refused, never run.
+        :func:`executables.retime`); a plan over ``budget`` is refused, never run.
 
         Raises :class:`RematSearchError` if the worker fails or runs past the timeout per plan.
         """

@@ -11,7 +11,8 @@ import pytest
 
 import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
-from remat_search.measurement import Executables, Measurement, io_bytes, measure
+from remat_search.executables import Executables, io_bytes, measure
+from remat_search.measurement import Measurement
 from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
 from remat_search.target import CHIPS, chip_of, make_mesh, target_devices
 
