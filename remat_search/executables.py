@@ -27,7 +27,7 @@ import numpy as np
 from remat_search.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.plan import RematPlan
 from remat_search.spec import TimingConfig
-from remat_search.target import Chip, out_of_memory, roofline_seconds
+from remat_search.target import LocalTarget, Target, out_of_memory
 from remat_search.units import format_bytes
 
 KEPT_EXECUTABLES = 64
@@ -74,12 +74,11 @@ class Executables:
     worker (after a crash or a timeout) starts empty.
     """
 
-    def __init__(self, workload: Any, *, mesh: Any = None, chip: Chip | None = None,
+    def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
                  capacity: int = KEPT_EXECUTABLES) -> None:
-        import jax
-
-        self.workload, self.mesh, self.chip, self.capacity = workload, mesh, chip, capacity
-        self.cpu = chip is None and jax.default_backend() == "cpu"
+        self.workload, self.mesh, self.capacity = workload, mesh, capacity
+        self.target = target or LocalTarget()
+        self.cpu = self.target.platform == "cpu"
         self.anchor_plan = anchor_plan(workload.layers)
         self._kept: OrderedDict[str, Build] = OrderedDict()
         self._anchor: Build | None = None
@@ -134,7 +133,7 @@ class Executables:
             temp, available = oom
             return Build(None, time.perf_counter() - start, oom=(temp + io_bytes(lowered, abstract), temp, available))
         return Build(
-            None if self.chip is not None else compiled, time.perf_counter() - start,
+            compiled if self.target.executes else None, time.perf_counter() - start,
             memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
         )
 
@@ -145,9 +144,9 @@ def measure(
     """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
     only if it fits ``budget``; judge what was seen (:func:`measurement.judge`).
 
-    Over the executables' mesh inputs are sharded and memory is per device. For a TPU
-    target compiled ahead of time (a ``chip``) nothing runs: the step time is a roofline
-    estimate, whatever the budget. With ``timing.anchor`` each timed step follows one of the
+    Over the executables' mesh inputs are sharded and memory is per device. Where the target
+    does not execute (a TPU compiled for ahead of time) nothing runs: the step time is the
+    target's estimate, whatever the budget. With ``timing.anchor`` each timed step follows one of the
     anchor's (full remat), where the anchor fits the budget; else the plan is timed alone. A
     plan whose first step fails the check is not timed. Exceptions other than the compiler's
     out-of-memory propagate: the worker turns them into a failed measurement.
@@ -172,9 +171,9 @@ def _observe(
         "plan_digest": plan.digest, "compile_seconds": build.seconds, "memory": build.memory,
         "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
     }
-    if executables.chip is not None:
+    if not executables.target.executes:
         return RawMeasurement(
-            time_source="estimated", estimated_seconds=roofline_seconds(build.cost, executables.chip), **seen,
+            time_source="estimated", estimated_seconds=executables.target.estimate_seconds(build.cost), **seen,
         )
     if build.memory.peak > budget:
         return RawMeasurement(**seen)

@@ -9,7 +9,6 @@ reason, and the next candidate gets a fresh worker.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -26,8 +25,8 @@ from remat_search.errors import RematSearchError, SpecError, WorkloadError
 from remat_search.executables import Executables, compiler_options, measure, retime
 from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
 from remat_search.plan import RematPlan
-from remat_search.spec import Target, TimingConfig, WorkloadConfig
-from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
+from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
+from remat_search.target import target_of
 
 STARTUP_TIMEOUT = 300.0
 
@@ -72,7 +71,7 @@ class Runner:
         workload: WorkloadConfig,
         *,
         timeout: float,
-        target: Target = "local",
+        target: TargetConfig = "local",
         mesh: dict[str, int] | None = None,
         compilation_cache: str | None = None,
     ) -> None:
@@ -197,7 +196,7 @@ class Runner:
 def _serve(
     conn: Connection,
     workload_config: WorkloadConfig,
-    where: tuple[Target, dict[str, int] | None],
+    where: tuple[TargetConfig, dict[str, int] | None],
     compilation_cache: str | None,
     parent_pid: int,
 ) -> None:
@@ -205,7 +204,7 @@ def _serve(
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    target, mesh_axes = where
+    target_config, mesh_axes = where
     try:
         import jax
 
@@ -216,26 +215,22 @@ def _serve(
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
         workload = build_workload(workload_config)
-        devices = target_devices(target)
-        tpu = devices[0].platform == "tpu"
-        chip = chip_of(target)
-        mesh = make_mesh(devices, mesh_axes) if chip is not None or mesh_axes else None
+        target = target_of(target_config)
+        mesh = target.mesh(mesh_axes)
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         info = DeviceInfo(
-            target=target if isinstance(target, str) else target.topology,
-            platform=devices[0].platform, device_kind=devices[0].device_kind,
+            target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
             device_count=mesh.size if mesh is not None else 1,
             mesh=dict(mesh.shape) if mesh is not None else None,
-            memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
-            executes=chip is None, jax_version=jax.__version__,
+            memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
             program_fingerprint=program_fingerprint(workload),
             compiler_options=json.dumps({
-                "options": compiler_options(chip is None and devices[0].platform == "cpu"),
+                "options": compiler_options(target.platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
-            compiler_version=_libtpu_version() if tpu else None,
+            compiler_version=target.compiler_version(),
             measurement_schema=MEASUREMENT_SCHEMA,
         )
     except SpecError as e:
@@ -245,7 +240,7 @@ def _serve(
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", info.model_dump_json()))
-    executables = Executables(workload, mesh=mesh, chip=chip)  # each plan compiled once in this worker
+    executables = Executables(workload, target=target, mesh=mesh)  # each plan compiled once in this worker
     while True:
         try:
             command, *args = conn.recv()
@@ -267,23 +262,6 @@ def _serve(
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             where = traceback.extract_tb(e.__traceback__)[-1]
             conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
-
-
-def _libtpu_version() -> str:
-    """The installed libtpu's version (the TPU compiler), or "unknown"."""
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _local_memory_limit(device: object) -> int | None:
-    """A GPU's or TPU's usable memory from its runtime; None where it reports none (CPU)."""
-    try:
-        stats = device.memory_stats()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def _exit_with_parent(parent_pid: int) -> None:
