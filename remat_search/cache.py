@@ -74,16 +74,17 @@ def create_table(engine: sa.Engine) -> None:
 
 
 def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:
-    """The cached raw measurement of a plan with the study and trial that made it, or None."""
+    """The cached raw measurement of a plan with the study and trial that made it, or None
+    (also where no search has made the table yet). Errors of the database (one that is
+    locked, one that cannot be read) propagate: a plan is not measured again for them."""
     key = cache_key(device, plan_digest)
     query = sa.select(measurements.c.measurement, measurements.c.study, measurements.c.trial).where(
         *(measurements.c[column] == value for column, value in key.items())
     )
-    try:
-        with engine.connect() as connection:
-            row = connection.execute(query).first()
-    except sa.exc.OperationalError:  # no table yet: a database no search has written to
-        return None
+    with engine.connect() as connection:
+        if not sa.inspect(connection).has_table(measurements.name):  # a database no search has written to
+            return None
+        row = connection.execute(query).first()
     if row is None:
         return None
     return Cached(RawMeasurement.model_validate_json(row.measurement), row.study, row.trial)

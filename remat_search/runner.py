@@ -4,7 +4,9 @@ A compiler crash, an out-of-memory kill or a hang must not take the study down, 
 compile and run happens in a child process (``spawn``, never ``fork``, because JAX is
 threaded). The worker is reused from one candidate to the next; when it dies or runs past
 the timeout it is killed and the candidate becomes a failed :class:`Measurement` with the
-reason, and the next candidate gets a fresh worker.
+reason, and the next candidate gets a fresh worker. With ``REMAT_SEARCH_DEBUG`` set, a
+candidate that raises in the worker carries the worker's own traceback in its error, and the
+search prints it on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -21,7 +24,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import RematSearchError, SpecError, WorkloadError
+from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
 from remat_search.executables import Executables, compiler_options, measure, retime
 from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
 from remat_search.plan import RematPlan
@@ -29,6 +32,8 @@ from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
 from remat_search.target import target_of
 
 STARTUP_TIMEOUT = 300.0
+DEBUG_ENV = "REMAT_SEARCH_DEBUG"
+"""Set (to anything), the worker sends its own traceback with every failure."""
 
 
 class DeviceInfo(BaseModel):
@@ -115,6 +120,8 @@ class Runner:
             self.close()
             return Measurement(status="failed", plan_digest=plan.digest, error=reason)
         if kind == "error":
+            if os.environ.get(DEBUG_ENV):
+                print(f"remat-search: plan {plan.summary()} failed in the worker: {payload}", file=sys.stderr)
             return Measurement(status="failed", plan_digest=plan.digest, error=payload)
         return Measurement.model_validate_json(payload)
 
@@ -179,6 +186,9 @@ class Runner:
         if kind == "spec_error":
             self.close()
             raise SpecError(payload)
+        if kind == "run_error":
+            self.close()
+            raise RunError(payload)
         if kind == "error":
             self.close()
             raise WorkloadError(f"workload: the worker could not build it ({payload})")
@@ -236,8 +246,11 @@ def _serve(
     except SpecError as e:
         conn.send(("spec_error", str(e)))
         return
+    except RunError as e:  # e.g. the target's compiler did not state its memory
+        conn.send(("run_error", str(e)))
+        return
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", _failure(e, line=False)))
         return
     conn.send(("ready", info.model_dump_json()))
     executables = Executables(workload, target=target, mesh=mesh)  # each plan compiled once in this worker
@@ -260,8 +273,19 @@ def _serve(
             )
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
+            conn.send(("error", _failure(e)))
+
+
+def _failure(e: BaseException, *, line: bool = True) -> str:
+    """What the worker says of an exception: its type, message and (``line``) the line that
+    raised it; with ``REMAT_SEARCH_DEBUG`` set, the worker's whole traceback after that."""
+    frames = traceback.extract_tb(e.__traceback__)
+    said = f"{type(e).__name__}: {e}"
+    if line and frames:
+        said += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    if os.environ.get(DEBUG_ENV):
+        said += "\nworker traceback:\n" + "".join(traceback.format_exception(e)).rstrip()
+    return said
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import SpecError
+from remat_search.errors import RunError, SpecError
 from remat_search.spec import MESH_AXES, TargetConfig, TpuTarget, target_kind
 
 
@@ -156,7 +156,7 @@ class TpuAotTarget(Target):
     def mesh(self, axes: dict[str, int] | None) -> Any:
         return make_mesh(self.devices(), axes)  # every chip of the topology, on data by default
 
-    def memory_limit(self, mesh: Any) -> int | None:
+    def memory_limit(self, mesh: Any) -> int:
         return probe_hbm(mesh)
 
     def estimate_seconds(self, cost: dict[str, float]) -> float | None:
@@ -217,8 +217,9 @@ def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     return (int(float(match[1]) * _UNIT[match[2]]), int(float(match[3]) * _UNIT[match[4]]))
 
 
-def probe_hbm(mesh: Any) -> int | None:
-    """Usable HBM per chip as the TPU compiler reports it, from a program too big for any chip."""
+def probe_hbm(mesh: Any) -> int:
+    """Usable HBM per chip as the TPU compiler reports it, from a program too big for any chip
+    (see :func:`hbm_of`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -226,10 +227,23 @@ def probe_hbm(mesh: Any) -> int | None:
     too_big = jax.jit(lambda: jnp.zeros((2**38,), jnp.float32), out_shardings=NamedSharding(mesh, PartitionSpec()))
     try:
         too_big.lower().compile()
-    except Exception as e:  # noqa: BLE001 - only the out-of-memory report is wanted
-        oom = out_of_memory(e)
-        return oom[1] if oom else None
-    return None
+    except Exception as e:  # noqa: BLE001 - judged by hbm_of: all but the out-of-memory report raise
+        return hbm_of(e)
+    return hbm_of(None)
+
+
+def hbm_of(error: BaseException | None) -> int:
+    """The HBM per chip that the compiler's out-of-memory ``error`` states it had. Any other
+    error, or none (the program compiled), raises :class:`RunError` with the reason: a memory
+    limit that cannot be read is no budget to search under."""
+    oom = out_of_memory(error) if error is not None else None
+    if oom is not None:
+        return oom[1]
+    if error is None:
+        reason = "a program of 1 TiB a chip compiled without running out of memory"
+    else:
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    raise RunError(f"target: the compiler did not state the memory of a chip ({reason})") from error
 
 
 def roofline_seconds(cost: dict[str, float], chip: Chip) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
@@ -318,6 +319,25 @@ def test_the_cache_keeps_the_measurement_that_tells_most(tmp_path: Path) -> None
                     (anchored.model_copy(update={"step_times": (0.1,) * 5, "anchor_times": (0.2,) * 5}), None)):
         cache.store(engine, CPU, m, study="s", trial=0)
         assert cache.lookup(engine, CPU, "p").raw == (kept or m).raw
+    engine.dispose()
+
+
+def test_a_locked_cache_is_an_error_not_a_miss(tmp_path: Path) -> None:
+    path = tmp_path / "cache.db"
+    engine = sa.create_engine(f"sqlite:///{path}", connect_args={"timeout": 0.1})
+    assert cache.lookup(engine, CPU, "p") is None  # no table yet: nothing cached
+    cache.create_table(engine)
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=0, generated_code=0)
+    cache.store(engine, CPU, Measurement(status="over_budget", plan_digest="p", memory=memory), study="s", trial=0)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing, for longer than the busy timeout
+    try:
+        with pytest.raises(sa.exc.OperationalError, match="database is locked"):
+            cache.lookup(engine, CPU, "p")  # not a miss, which would compile the plan again
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert cache.lookup(engine, CPU, "p").study == "s"
     engine.dispose()
 
 

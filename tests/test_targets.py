@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from remat_search import SpecError, cache
+from remat_search import RunError, SpecError, cache
 from remat_search.executables import Executables, anchor_plan, measure
 from remat_search.measurement import judge
 from remat_search.mlp import MlpWorkload
 from remat_search.spec import MlpConfig, TimingConfig, TpuTarget, target_kind
-from remat_search.target import TARGETS, LocalTarget, Target, TpuAotTarget, target_of
+from remat_search.target import TARGETS, LocalTarget, Target, TpuAotTarget, hbm_of, probe_hbm, target_of
 
 EXAMPLES: dict[type[Target], Any] = {
     LocalTarget: "local",
@@ -78,3 +78,12 @@ def test_a_target_measures_a_plan_as_it_says(target: Target) -> None:
     if not target.executes:
         assert judge(over.raw, budget=m.peak_bytes, gradient_tolerance=1e-4) == m
 
+
+def test_the_memory_of_a_chip_is_read_from_the_compilers_out_of_memory_report_alone() -> None:
+    said = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (1.00T) "
+            "exceeds available HBM (15.75G).")  # as libtpu 0.0.42.1 words it for the probe on a v5e
+    assert hbm_of(RuntimeError(said)) == int(15.75 * 2**30)
+    with pytest.raises(RunError, match=r"did not state the memory of a chip \(RuntimeError: INTERNAL: it crashed\)"):
+        hbm_of(RuntimeError("INTERNAL: it crashed\nat line 3"))
+    with pytest.raises(RunError, match="a program of 1 TiB a chip compiled without running out of memory"):
+        probe_hbm(LocalTarget().mesh({"data": 1}))  # on CPU the probe's program compiles: no limit to read
