@@ -43,7 +43,7 @@ import optuna
 
 import remat_search
 from remat_search.confirm import compare_times
-from remat_search.measurement import Executables, measure
+from remat_search.executables import Executables, measure
 from remat_search.runner import Runner
 from remat_search.spec import TimingConfig, parse_spec
 from remat_search.units import format_bytes

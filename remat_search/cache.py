@@ -6,9 +6,11 @@ was compiled (target and mesh), the device kind, the JAX version, the compiler o
 (XLA flags included), libtpu's version for TPU (the compiler) and what a measurement means
 (:data:`~remat_search.measurement.MEASUREMENT_SCHEMA`) — that tuple is the key of our own
 table, ``remat_search_measurements``,
-in the same database as optuna's tables. A new study with another budget, a re-run of a
-finished search, or another host searching the same workload reuses every measurement in
-it; :func:`reuse` re-judges a cached measurement against the new budget and tolerance.
+in the same database as optuna's tables. It keeps raw measurements only (what the compiler
+and the clock said, whatever the budget): a new study with another budget, a re-run of a
+finished search, or another host searching the same workload judges each one it finds against
+its own budget and tolerance (:func:`measurement.judge`), unless :func:`measure_again` says it
+cannot be judged as it is.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from remat_search.measurement import Measurement, gradient_failure
+from remat_search.measurement import Measurement, RawMeasurement
 from remat_search.runner import DeviceInfo
 
 metadata = sa.MetaData()
@@ -57,38 +60,49 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     }
 
 
+class Cached(NamedTuple):
+    """A cached raw measurement, with the study and trial that measured it."""
+
+    raw: RawMeasurement
+    study: str
+    trial: int
+
+
 def create_table(engine: sa.Engine) -> None:
     """Make the cache table if it is missing (optuna's tables are left alone)."""
     metadata.create_all(engine, tables=[measurements])
 
 
-def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> tuple[Measurement, str, int] | None:
-    """The cached measurement of a plan with the study and trial that made it, or None."""
+def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:
+    """The cached raw measurement of a plan with the study and trial that made it, or None
+    (also where no search has made the table yet). Errors of the database (one that is
+    locked, one that cannot be read) propagate: a plan is not measured again for them."""
     key = cache_key(device, plan_digest)
     query = sa.select(measurements.c.measurement, measurements.c.study, measurements.c.trial).where(
         *(measurements.c[column] == value for column, value in key.items())
     )
-    try:
-        with engine.connect() as connection:
-            row = connection.execute(query).first()
-    except sa.exc.OperationalError:  # no table yet: a database no search has written to
-        return None
+    with engine.connect() as connection:
+        if not sa.inspect(connection).has_table(measurements.name):  # a database no search has written to
+            return None
+        row = connection.execute(query).first()
     if row is None:
         return None
-    return Measurement.model_validate_json(row.measurement), row.study, row.trial
+    return Cached(RawMeasurement.model_validate_json(row.measurement), row.study, row.trial)
 
 
 def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, trial: int) -> None:
-    """Keep ``m`` unless it failed (failures may be passing: a busy machine, a timeout) or was
-    screened out (its peak is a prediction, not the compiler's).
+    """Keep the raw part of ``m`` unless it failed (failures may be passing: a busy machine, a
+    timeout) or was screened out (its peak is a prediction, not the compiler's).
 
-    A measurement that ran replaces one that was only compiled (over an earlier budget), or
-    one timed alone where it was timed against the anchor.
+    A raw measurement that tells more replaces the one kept (see :func:`_told`): one that ran
+    replaces one only compiled (over an earlier budget), one timed against the anchor one
+    timed alone.
     """
     if m.status == "failed" or not m.compiled:
         return
+    raw = m.raw
     key = cache_key(device, m.plan_digest)
-    row = {**key, "measurement": m.model_dump_json(), "study": study, "trial": trial,
+    row = {**key, "measurement": raw.model_dump_json(), "study": study, "trial": trial,
            "created": datetime.datetime.now(datetime.UTC).replace(tzinfo=None)}
     where = [measurements.c[column] == value for column, value in key.items()]
     with engine.begin() as connection:
@@ -98,44 +112,29 @@ def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, 
                 connection.execute(measurements.insert().values(**row))
             except sa.exc.IntegrityError:  # another process stored it a moment ago
                 pass
-        elif m.status == "measured" and _timed_less(Measurement.model_validate_json(old.measurement), m):
+        elif _told(raw) > _told(RawMeasurement.model_validate_json(old.measurement)):
             connection.execute(measurements.update().where(*where).values(**row))
 
 
-def _timed_less(old: Measurement, new: Measurement) -> bool:
-    """Whether ``new`` (which ran) tells more than ``old``: old was only compiled, or timed
-    without the anchor where new was timed against it."""
-    return old.status != "measured" or (bool(new.anchor_times) and not old.anchor_times)
+def _told(raw: RawMeasurement) -> tuple[bool, bool, int]:
+    """How much ``raw`` tells, to compare two of one plan: timed (or estimated) at all, then
+    timed against the anchor, then by how many repeats."""
+    return raw.time_source is not None, bool(raw.anchor_times), len(raw.step_times)
 
 
-def reuse(
-    m: Measurement, *, budget: int, gradient_tolerance: float, repeats: int, anchored: bool = False
-) -> Measurement | None:
-    """``m`` judged against this study's budget, tolerance and timing; None if it must be
-    measured again.
+def measure_again(raw: RawMeasurement, *, budget: int, repeats: int, anchored: bool) -> bool:
+    """Whether a cached raw measurement must be measured again for a study with this
+    ``budget`` and timing, rather than judged as it is.
 
-    A plan that ran is over budget if its peak is; one only compiled (over an earlier, smaller
-    budget) must be run if it now fits, and one timed with fewer than ``repeats`` steps, or
-    alone where the study times against the anchor (``anchored``), is timed again. The
-    compiler's own out-of-memory is final.
+    It must where it fits ``budget`` but never ran (it was over an earlier, smaller budget),
+    or was timed with fewer than ``repeats`` steps, or alone where the study times against the
+    anchor (``anchored``). Over the budget it is judged as it is; so is a plan the compiler ran
+    out of memory for (final, whatever the budget).
     """
-    peak = m.peak_bytes
-    if m.status == "over_budget" and m.memory is None:  # the device itself cannot hold it
-        return m
-    if peak is None:
-        return None
-    if peak > budget:
-        return m.model_copy(update={
-            "status": "over_budget", "step_times": (), "anchor_times": (), "time_source": None, "estimated_seconds": None,
-            "grad_max_abs_error": None, "grad_rel_error": None, "grad_reference": None, "grad_skipped": None,
-            "error": None,
-        })
-    if m.status != "measured" or (
-        m.time_source == "measured" and (len(m.step_times) < repeats or (anchored and not m.anchor_times))
-    ):
-        return None
-    if m.grad_rel_error is not None and not m.grad_rel_error <= gradient_tolerance:
-        return m.model_copy(update={
-            "status": "failed", "error": gradient_failure(m.grad_rel_error, m.grad_reference, gradient_tolerance),
-        })
-    return m
+    if raw.memory is None:
+        return raw.oom_required_bytes is None  # never compiled: nothing to judge
+    if raw.memory.peak > budget:
+        return False
+    if raw.time_source == "measured":
+        return len(raw.step_times) < repeats or (anchored and not raw.anchor_times)
+    return raw.time_source is None

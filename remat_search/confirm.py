@@ -19,7 +19,7 @@ import optuna
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan, RunError, SpecError
-from remat_search.measurement import anchor_plan
+from remat_search.executables import anchor_plan
 from remat_search.plan import RematPlan
 from remat_search.results import Confirmed, StudyReport, TrialResult, load_confirmations, study_report
 from remat_search.runner import Runner

@@ -95,8 +95,10 @@ class TrialResult(BaseModel):
 
     @property
     def time_estimated(self) -> bool:
-        """Its step time is a roofline estimate (a compile-only target), not a measurement."""
-        return self.measurement is not None and self.measurement.time_source == "estimated"
+        """It fits, and its step time is a roofline estimate (a compile-only target), not a
+        measurement. (A compile-only target estimates plans over the budget too.)"""
+        m = self.measurement
+        return m is not None and m.status == "measured" and m.time_source == "estimated"
 
     def summary(self) -> str:
         """The plan in a few words, by choice label: ``full×2 save_qkv×6``."""

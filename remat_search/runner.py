@@ -4,16 +4,18 @@ A compiler crash, an out-of-memory kill or a hang must not take the study down, 
 compile and run happens in a child process (``spawn``, never ``fork``, because JAX is
 threaded). The worker is reused from one candidate to the next; when it dies or runs past
 the timeout it is killed and the candidate becomes a failed :class:`Measurement` with the
-reason, and the next candidate gets a fresh worker.
+reason, and the next candidate gets a fresh worker. With ``REMAT_SEARCH_DEBUG`` set, a
+candidate that raises in the worker carries the worker's own traceback in its error, and the
+search prints it on stderr.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -22,20 +24,16 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import RematSearchError, SpecError, WorkloadError
-from remat_search.measurement import (
-    MEASUREMENT_SCHEMA,
-    Executables,
-    Measurement,
-    compiler_options,
-    measure,
-    retime,
-)
+from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
+from remat_search.executables import Executables, compiler_options, measure, retime
+from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
 from remat_search.plan import RematPlan
-from remat_search.spec import Target, TimingConfig, WorkloadConfig
-from remat_search.target import chip_of, make_mesh, probe_hbm, target_devices
+from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
+from remat_search.target import target_of
 
 STARTUP_TIMEOUT = 300.0
+DEBUG_ENV = "REMAT_SEARCH_DEBUG"
+"""Set (to anything), the worker sends its own traceback with every failure."""
 
 
 class DeviceInfo(BaseModel):
@@ -78,7 +76,7 @@ class Runner:
         workload: WorkloadConfig,
         *,
         timeout: float,
-        target: Target = "local",
+        target: TargetConfig = "local",
         mesh: dict[str, int] | None = None,
         compilation_cache: str | None = None,
     ) -> None:
@@ -122,6 +120,8 @@ class Runner:
             self.close()
             return Measurement(status="failed", plan_digest=plan.digest, error=reason)
         if kind == "error":
+            if os.environ.get(DEBUG_ENV):
+                print(f"remat-search: plan {plan.summary()} failed in the worker: {payload}", file=sys.stderr)
             return Measurement(status="failed", plan_digest=plan.digest, error=payload)
         return Measurement.model_validate_json(payload)
 
@@ -129,7 +129,7 @@ class Runner:
         self, plans: list[RematPlan], *, warmup: int, rounds: int, budget: int | None = None
     ) -> list[tuple[float, ...]]:
         """Time ``plans`` interleaved in the worker, with the executables it kept (see
-        :func:`measurement.retime`); a plan over ``budget`` is refused, never run.
+        :func:`executables.retime`); a plan over ``budget`` is refused, never run.
 
         Raises :class:`RematSearchError` if the worker fails or runs past the timeout per plan.
         """
@@ -186,6 +186,9 @@ class Runner:
         if kind == "spec_error":
             self.close()
             raise SpecError(payload)
+        if kind == "run_error":
+            self.close()
+            raise RunError(payload)
         if kind == "error":
             self.close()
             raise WorkloadError(f"workload: the worker could not build it ({payload})")
@@ -203,7 +206,7 @@ class Runner:
 def _serve(
     conn: Connection,
     workload_config: WorkloadConfig,
-    where: tuple[Target, dict[str, int] | None],
+    where: tuple[TargetConfig, dict[str, int] | None],
     compilation_cache: str | None,
     parent_pid: int,
 ) -> None:
@@ -212,49 +215,48 @@ def _serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the search, which stops the worker
     # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    target, mesh_axes = where
+    target_config, mesh_axes = where
     try:
         import jax
 
         from remat_search.workload import build_workload, program_fingerprint
 
-        if target == "local" and not jax.config.jax_platforms and _cpu_only_host():
+        if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
         if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
         workload = build_workload(workload_config)
-        devices = target_devices(target)
-        tpu = devices[0].platform == "tpu"
-        chip = chip_of(target)
-        mesh = make_mesh(devices, mesh_axes) if chip is not None or mesh_axes else None
+        target = target_of(target_config)
+        mesh = target.mesh(mesh_axes)
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         info = DeviceInfo(
-            target=target if isinstance(target, str) else target.topology,
-            platform=devices[0].platform, device_kind=devices[0].device_kind,
+            target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
             device_count=mesh.size if mesh is not None else 1,
             mesh=dict(mesh.shape) if mesh is not None else None,
-            memory_limit=probe_hbm(mesh) if chip is not None else _local_memory_limit(devices[0]),
-            executes=chip is None, jax_version=jax.__version__,
+            memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
             program_fingerprint=program_fingerprint(workload),
             compiler_options=json.dumps({
-                "options": compiler_options(chip is None and devices[0].platform == "cpu"),
+                "options": compiler_options(target.platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
-            compiler_version=_libtpu_version() if tpu else None,
+            compiler_version=target.compiler_version(),
             measurement_schema=MEASUREMENT_SCHEMA,
         )
     except SpecError as e:
         conn.send(("spec_error", str(e)))
         return
+    except RunError as e:  # e.g. the target's compiler did not state its memory
+        conn.send(("run_error", str(e)))
+        return
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", _failure(e, line=False)))
         return
     conn.send(("ready", info.model_dump_json()))
-    executables = Executables(workload, mesh=mesh, chip=chip)  # each plan compiled once in this worker
+    executables = Executables(workload, target=target, mesh=mesh)  # each plan compiled once in this worker
     while True:
         try:
             command, *args = conn.recv()
@@ -274,8 +276,7 @@ def _serve(
             )
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"))
+            conn.send(("error", _failure(e)))
 
 
 def _cpu_only_host() -> bool:
@@ -292,21 +293,16 @@ def _cpu_only_host() -> bool:
     return not plugins and num_available_tpu_chips_and_device_id()[0] == 0
 
 
-def _libtpu_version() -> str:
-    """The installed libtpu's version (the TPU compiler), or "unknown"."""
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _local_memory_limit(device: object) -> int | None:
-    """A GPU's or TPU's usable memory from its runtime; None where it reports none (CPU)."""
-    try:
-        stats = device.memory_stats()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+def _failure(e: BaseException, *, line: bool = True) -> str:
+    """What the worker says of an exception: its type, message and (``line``) the line that
+    raised it; with ``REMAT_SEARCH_DEBUG`` set, the worker's whole traceback after that."""
+    frames = traceback.extract_tb(e.__traceback__)
+    said = f"{type(e).__name__}: {e}"
+    if line and frames:
+        said += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    if os.environ.get(DEBUG_ENV):
+        said += "\nworker traceback:\n" + "".join(traceback.format_exception(e)).rstrip()
+    return said
 
 
 def _exit_with_parent(parent_pid: int) -> None:

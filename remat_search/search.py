@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 from remat_search import cache
 from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
-from remat_search.measurement import Measurement
+from remat_search.measurement import Measurement, judge
 from remat_search.plan import RematPlan
 from remat_search.planner import (
     Advice,
@@ -163,17 +163,15 @@ def _run_trial(
         trial.set_user_attr(PLAN_ATTR, plan.to_json())
         trial.set_user_attr(LABELS_ATTR, list(labels))
         hit = cache.lookup(engine, device, plan.digest)
-        m = cache.reuse(
-            hit[0], budget=budget, gradient_tolerance=spec.gradient_tolerance, repeats=spec.timing.repeats,
-            anchored=spec.timing.anchor,
-        ) if hit else None
-        if m is not None:
-            assert hit is not None
-            if hit[1] == spec.study and _plan_of(study, hit[2]) == plan.digest:
-                reused_from = hit[2]
+        if hit and not cache.measure_again(
+            hit.raw, budget=budget, repeats=spec.timing.repeats, anchored=spec.timing.anchor
+        ):
+            m = judge(hit.raw, budget=budget, gradient_tolerance=spec.gradient_tolerance)  # as the worker would
+            if hit.study == spec.study and _plan_of(study, hit.trial) == plan.digest:
+                reused_from = hit.trial
                 trial.set_user_attr(REUSED_ATTR, reused_from)
             else:
-                cached_from = f"{hit[1]}#{hit[2]}"
+                cached_from = f"{hit.study}#{hit.trial}"
                 trial.set_user_attr(CACHED_ATTR, cached_from)
         begins(TrialResult(
             number=trial.number, status="running", plan=plan, labels=labels, reused_from=reused_from,

@@ -230,16 +230,18 @@ class TpuTarget(_Frozen):
         return _matching(value, r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", "a TPU topology such as v5e:2x4 or v5p:2x2x1")
 
 
-def _target_tag(value: Any) -> str | None:
+def target_kind(value: Any) -> str | None:
+    """The kind of target a spec's ``target`` is written as (``local`` or ``tpu``; None for
+    neither): the tag of its form in :data:`TargetConfig` and of its class in ``target.TARGETS``."""
     if value == "local":
         return "local"
     return "tpu" if isinstance(value, (dict, TpuTarget)) else None
 
 
-Target = Annotated[
+TargetConfig = Annotated[
     Annotated[Literal["local"], Tag("local")] | Annotated[TpuTarget, Tag("tpu")],
     Discriminator(
-        _target_tag,
+        target_kind,
         custom_error_type="target",
         custom_error_message="expected local or {platform: tpu, topology: v5e:2x4}",
     ),
@@ -295,7 +297,7 @@ class SearchSpec(_Frozen):
     """Peak bytes per chip. Default: the chip's memory as the TPU compiler reports it, or as a
     local GPU's runtime does (``bytes_limit``); required on CPU."""
     trials: PositiveInt
-    target: Target = "local"
+    target: TargetConfig = "local"
     mesh: dict[MeshAxis, PositiveInt] | None = None
     """Device mesh, e.g. ``{data: 2, fsdp: 4}``: batch over both axes, parameters and optimizer
     state sharded over ``fsdp``. Default: all of a TPU target's chips on ``data``; for

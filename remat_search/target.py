@@ -5,18 +5,26 @@ TPU topology (``v5e:2x4``, …) is compiled ahead of time by the real TPU compil
 on any host: memory is exact, nothing is allocated or executed, and step time is *estimated*
 from the compiled program's cost analysis against the chip's published peak FLOP/s and HBM
 bandwidth (a roofline; inter-chip communication is not counted).
+
+A kind of target is one :class:`Target` subclass in :data:`TARGETS`, under the tag of its
+spec form (``spec.target_kind``): the devices plans are compiled for, whether plans execute
+there, the memory per device, the compiler's version and the step-time estimate where nothing
+executes. :func:`target_of` picks the class for a spec's ``target``, the one place that tells
+kinds apart; ``tests/test_targets.py`` runs every class under the same contract.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import re
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.errors import SpecError
-from remat_search.spec import MESH_AXES, Target, TpuTarget
+from remat_search.errors import RunError, SpecError
+from remat_search.spec import MESH_AXES, TargetConfig, TpuTarget, target_kind
 
 
 class Chip(BaseModel):
@@ -43,26 +51,134 @@ _OOM = re.compile(
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def chip_of(target: Target) -> Chip | None:
-    """The chip of a TPU target (None for ``local``)."""
-    if not isinstance(target, TpuTarget):
+class Target(ABC):
+    """Where plans are compiled for, and what can be known there: one subclass a kind.
+
+    Built in the worker process (it loads the compiler), from the spec's ``target``.
+    """
+
+    executes: ClassVar[bool]
+    """Whether plans run (and are timed) there, or are only compiled."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """How the study names it: ``local``, or the TPU topology."""
+
+    @abstractmethod
+    def devices(self) -> list[Any]:
+        """The devices plans are compiled for (JAX devices, or a topology's: none allocated)."""
+
+    @abstractmethod
+    def mesh(self, axes: dict[str, int] | None) -> Any:
+        """The ``Mesh`` plans are sharded over, with the spec's ``axes``; None for one device, unsharded."""
+
+    @abstractmethod
+    def memory_limit(self, mesh: Any) -> int | None:
+        """Usable memory per device as its compiler or runtime reports it (None where none is)."""
+
+    def estimate_seconds(self, cost: dict[str, float]) -> float | None:
+        """One step's seconds, modelled from the compiler's cost analysis, where nothing executes."""
         return None
-    generation = target.topology.split(":")[0]
-    if generation not in CHIPS:
-        raise SpecError(
-            f"spec.target.topology: unknown TPU generation in {target.topology!r}; "
-            f"expected one of {sorted(CHIPS)}, e.g. v5e:2x4"
-        )
-    return CHIPS[generation]
+
+    @property
+    def platform(self) -> str:
+        """``cpu``, ``gpu`` or ``tpu``: what the compiler compiles for."""
+        return str(self.devices()[0].platform)
+
+    def compiler_version(self) -> str | None:
+        """The TPU compiler's (libtpu's) version where plans are compiled for TPU, else None:
+        XLA then comes with jaxlib, whose version the cache key holds already."""
+        if self.platform != "tpu":
+            return None
+        try:
+            return importlib.metadata.version("libtpu")
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
 
 
-def target_devices(target: Target) -> list[Any]:
-    """The devices plans are compiled for: local ones, or a TPU topology's (none allocated)."""
-    import jax
+class LocalTarget(Target):
+    """The devices this process sees: plans are compiled, run and timed on them."""
 
-    if not isinstance(target, TpuTarget):
+    executes = True
+
+    def __init__(self, config: TargetConfig = "local") -> None:
+        pass
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    def devices(self) -> list[Any]:
+        import jax
+
         return list(jax.devices())
-    chip_of(target)
+
+    def mesh(self, axes: dict[str, int] | None) -> Any:
+        return make_mesh(self.devices(), axes) if axes else None
+
+    def memory_limit(self, mesh: Any) -> int | None:
+        """A GPU's or TPU's usable memory from its runtime (``bytes_limit``); None on CPU."""
+        device = self.devices()[0]
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - not every backend implements it
+            return None
+        return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+class TpuAotTarget(Target):
+    """A TPU topology compiled ahead of time by libtpu, from any host: nothing executes, and
+    a step's time is a roofline estimate on the chip (:data:`CHIPS`)."""
+
+    executes = False
+
+    def __init__(self, config: TpuTarget) -> None:
+        self.topology = config.topology
+        generation = config.topology.split(":")[0]
+        if generation not in CHIPS:
+            raise SpecError(
+                f"spec.target.topology: unknown TPU generation in {config.topology!r}; "
+                f"expected one of {sorted(CHIPS)}, e.g. v5e:2x4"
+            )
+        self.chip = CHIPS[generation]
+        self._devices: list[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.topology
+
+    def devices(self) -> list[Any]:
+        if self._devices is None:
+            self._devices = _topology_devices(self.topology)
+        return self._devices
+
+    def mesh(self, axes: dict[str, int] | None) -> Any:
+        return make_mesh(self.devices(), axes)  # every chip of the topology, on data by default
+
+    def memory_limit(self, mesh: Any) -> int:
+        return probe_hbm(mesh)
+
+    def estimate_seconds(self, cost: dict[str, float]) -> float | None:
+        return roofline_seconds(cost, self.chip)
+
+
+TARGETS: dict[str, type[Target]] = {"local": LocalTarget, "tpu": TpuAotTarget}
+"""Every kind of target by the tag of its spec form (``spec.target_kind``). A new kind is one
+class here, and its form in ``spec.TargetConfig``."""
+
+
+def target_of(config: TargetConfig) -> Target:
+    """The target a spec's ``target`` names. Raises :class:`SpecError` for one that cannot be
+    compiled for here (an unknown TPU generation or topology, no libtpu)."""
+    kind = target_kind(config)
+    if kind not in TARGETS:
+        raise SpecError(f"spec.target: {config!r} is no kind of target; expected one of {', '.join(TARGETS)}")
+    return TARGETS[kind](config)  # type: ignore[arg-type]
+
+
+def _topology_devices(topology: str) -> list[Any]:
+    """A TPU topology's devices, from libtpu (none allocated)."""
     try:
         import libtpu  # noqa: F401 - only its presence matters here
     except ImportError:
@@ -73,10 +189,10 @@ def target_devices(target: Target) -> list[Any]:
     from jax.experimental import topologies
 
     try:
-        return list(topologies.get_topology_desc(topology_name=target.topology, platform="tpu").devices)
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu says what is wrong with the name
         first = str(e).strip().splitlines()[0]
-        raise SpecError(f"spec.target.topology: libtpu does not know {target.topology!r} ({first})") from None
+        raise SpecError(f"spec.target.topology: libtpu does not know {topology!r} ({first})") from None
 
 
 def make_mesh(devices: list[Any], axes: dict[str, int] | None) -> Any:
@@ -101,8 +217,9 @@ def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     return (int(float(match[1]) * _UNIT[match[2]]), int(float(match[3]) * _UNIT[match[4]]))
 
 
-def probe_hbm(mesh: Any) -> int | None:
-    """Usable HBM per chip as the TPU compiler reports it, from a program too big for any chip."""
+def probe_hbm(mesh: Any) -> int:
+    """Usable HBM per chip as the TPU compiler reports it, from a program too big for any chip
+    (see :func:`hbm_of`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -110,10 +227,23 @@ def probe_hbm(mesh: Any) -> int | None:
     too_big = jax.jit(lambda: jnp.zeros((2**38,), jnp.float32), out_shardings=NamedSharding(mesh, PartitionSpec()))
     try:
         too_big.lower().compile()
-    except Exception as e:  # noqa: BLE001 - only the out-of-memory report is wanted
-        oom = out_of_memory(e)
-        return oom[1] if oom else None
-    return None
+    except Exception as e:  # noqa: BLE001 - judged by hbm_of: all but the out-of-memory report raise
+        return hbm_of(e)
+    return hbm_of(None)
+
+
+def hbm_of(error: BaseException | None) -> int:
+    """The HBM per chip that the compiler's out-of-memory ``error`` states it had. Any other
+    error, or none (the program compiled), raises :class:`RunError` with the reason: a memory
+    limit that cannot be read is no budget to search under."""
+    oom = out_of_memory(error) if error is not None else None
+    if oom is not None:
+        return oom[1]
+    if error is None:
+        reason = "a program of 1 TiB a chip compiled without running out of memory"
+    else:
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    raise RunError(f"target: the compiler did not state the memory of a chip ({reason})") from error
 
 
 def roofline_seconds(cost: dict[str, float], chip: Chip) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
@@ -13,20 +14,14 @@ import sqlalchemy as sa
 
 import remat_search
 from remat_search import RematPlan, cache
-from remat_search.measurement import (
-    KEPT_EXECUTABLES,
-    MEASUREMENT_SCHEMA,
-    Executables,
-    Measurement,
-    MemoryBreakdown,
-    anchor_plan,
-)
+from remat_search.executables import KEPT_EXECUTABLES, Executables, anchor_plan, measure
+from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.runner import DeviceInfo, Runner
-from remat_search.spec import parse_spec
+from remat_search.spec import TimingConfig, parse_spec
 from remat_search.units import format_seconds
 
 from .conftest import spec_dict
-from .workloads import counting
+from .workloads import counting, miscomputing
 
 
 def _events(log: Path) -> list[tuple[str, str, int]]:
@@ -266,13 +261,94 @@ def test_a_study_that_anchors_times_again_what_was_timed_alone_and_keeps_it(
     assert len(_compiled(log)) == before  # the anchored measurements replaced those timed alone
 
 
-def test_a_plan_timed_alone_is_timed_again_for_a_study_that_anchors() -> None:
-    memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
-    alone = Measurement(status="measured", plan_digest="p", memory=memory, time_source="measured", step_times=(0.1,) * 3)
+CPU = DeviceInfo(
+    target="local", platform="cpu", device_kind="cpu", device_count=1, mesh=None, memory_limit=None, executes=True,
+    jax_version="0.10.2", workload_fingerprint="w", program_fingerprint="p", measurement_schema=MEASUREMENT_SCHEMA,
+)
+
+
+def test_a_cached_measurement_is_judged_again_as_the_worker_judges_never_rewritten(tmp_path: Path) -> None:
+    dots = RematPlan.uniform("dots", 3)  # under dots, this workload's first step is 3× off full remat's
+    m = measure(Executables(miscomputing()), dots, budget=2**40, timing=TimingConfig(warmup=1, repeats=2),
+                gradient_tolerance=10.0)
+    assert m.status == "measured" and m.grad_rel_error == pytest.approx(3.0, rel=1e-3) and len(m.step_times) == 2
+    assert m == judge(m.raw, budget=2**40, gradient_tolerance=10.0)  # the worker's verdict is judge's
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'cache.db'}")
+    cache.create_table(engine)
+    cache.store(engine, CPU, m, study="s", trial=0)
+    with engine.connect() as connection:
+        cached = connection.execute(sa.select(cache.measurements.c.measurement)).scalar_one()
+    assert not {"status", "error", "anchor_seconds"} & json.loads(cached).keys()  # raw only: no verdict
+    hit = cache.lookup(engine, CPU, dots.digest)
+    assert hit is not None and hit.raw.model_dump_json() == cached
+    peak = hit.raw.peak_bytes
+    cases = {"a smaller budget": (peak - 1, 10.0, "over_budget"), "a larger budget": (2 * peak, 10.0, "measured"),
+             "a tighter tolerance": (2 * peak, 1e-3, "failed")}
+    for case, (budget, tolerance, verdict) in cases.items():
+        assert not cache.measure_again(hit.raw, budget=budget, repeats=2, anchored=True), case
+        judged = judge(hit.raw, budget=budget, gradient_tolerance=tolerance)
+        assert judged.status == verdict, case
+        assert judged.raw.model_dump_json() == cached, case  # the raw part as cached, byte for byte
+    over = judge(hit.raw, budget=peak - 1, gradient_tolerance=10.0)
+    assert over.step_seconds is None and over.spread is None  # over this study's budget: no step time in it
+    failed = judge(hit.raw, budget=2 * peak, gradient_tolerance=1e-3)
+    assert "differ from those of plan 'full'" in failed.error and failed.step_seconds is None
+    engine.dispose()
+
+
+def test_a_cached_measurement_is_measured_again_only_where_it_cannot_be_judged() -> None:
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=0, generated_code=0)
+    compiled = RawMeasurement(plan_digest="p", memory=memory)  # over an earlier budget: never ran
+    alone = compiled.model_copy(update={"time_source": "measured", "step_times": (0.1,) * 3, "loss": 1.0})
     anchored = alone.model_copy(update={"anchor_times": (0.2,) * 3})
-    assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3, anchored=True) is None
-    assert cache.reuse(alone, budget=1, gradient_tolerance=1, repeats=3) == alone
-    assert cache.reuse(anchored, budget=1, gradient_tolerance=1, repeats=3, anchored=True) == anchored
+    estimated = compiled.model_copy(update={"time_source": "estimated", "estimated_seconds": 0.1})
+    oom = RawMeasurement(plan_digest="p", oom_required_bytes=10**12, oom_temp_bytes=10**12, oom_available_bytes=100)
+
+    def again(raw: RawMeasurement, budget: int = 100, repeats: int = 3, anchored: bool = True) -> bool:
+        return cache.measure_again(raw, budget=budget, repeats=repeats, anchored=anchored)
+
+    assert again(compiled) and not again(compiled, budget=99)  # it now fits, so it must run
+    with pytest.raises(ValueError, match="never ran"):
+        judge(compiled, budget=100, gradient_tolerance=1)
+    assert again(alone) and not again(alone, anchored=False) and not again(anchored)
+    assert again(anchored, repeats=4)  # fewer repeats than the study asks for
+    assert not again(estimated) and judge(estimated, budget=100, gradient_tolerance=1).step_seconds == 0.1
+    assert not again(oom, budget=10**13)  # the compiler's own out-of-memory is final
+    assert judge(oom, budget=10**13, gradient_tolerance=1).status == "over_budget"
+    assert again(RawMeasurement(plan_digest="p"))  # never compiled
+
+
+def test_the_cache_keeps_the_measurement_that_tells_most(tmp_path: Path) -> None:
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=0, generated_code=0)
+    compiled = Measurement(status="over_budget", plan_digest="p", memory=memory)
+    alone = compiled.model_copy(update={"status": "measured", "time_source": "measured", "step_times": (0.1,) * 3})
+    anchored = alone.model_copy(update={"anchor_times": (0.2,) * 3})
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'cache.db'}")
+    cache.create_table(engine)
+    for m, kept in ((compiled, compiled), (alone, alone), (compiled, alone), (anchored, anchored), (alone, anchored),
+                    (anchored.model_copy(update={"step_times": (0.1,) * 5, "anchor_times": (0.2,) * 5}), None)):
+        cache.store(engine, CPU, m, study="s", trial=0)
+        assert cache.lookup(engine, CPU, "p").raw == (kept or m).raw
+    engine.dispose()
+
+
+def test_a_locked_cache_is_an_error_not_a_miss(tmp_path: Path) -> None:
+    path = tmp_path / "cache.db"
+    engine = sa.create_engine(f"sqlite:///{path}", connect_args={"timeout": 0.1})
+    assert cache.lookup(engine, CPU, "p") is None  # no table yet: nothing cached
+    cache.create_table(engine)
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=0, generated_code=0)
+    cache.store(engine, CPU, Measurement(status="over_budget", plan_digest="p", memory=memory), study="s", trial=0)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing, for longer than the busy timeout
+    try:
+        with pytest.raises(sa.exc.OperationalError, match="database is locked"):
+            cache.lookup(engine, CPU, "p")  # not a miss, which would compile the plan again
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert cache.lookup(engine, CPU, "p").study == "s"
+    engine.dispose()
 
 
 def test_a_measurement_of_another_schema_or_compiler_is_not_reused(tmp_path: Path) -> None:
@@ -286,7 +362,7 @@ def test_a_measurement_of_another_schema_or_compiler_is_not_reused(tmp_path: Pat
     memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
     m = Measurement(status="over_budget", plan_digest="plan", memory=memory)
     cache.store(engine, tpu, m, study="s", trial=0)
-    assert cache.lookup(engine, tpu, "plan") == (m, "s", 0)
+    assert cache.lookup(engine, tpu, "plan") == (m.raw, "s", 0)
     for changed in ({"measurement_schema": MEASUREMENT_SCHEMA - 1}, {"compiler_version": "0.0.43"}):
         assert cache.lookup(engine, tpu.model_copy(update=changed), "plan") is None, changed
     engine.dispose()

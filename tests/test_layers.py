@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"workload"},
     {"transformer", "mlp"},
     {"measurement"},
+    {"executables"},
     {"runner"},
     {"store"},
     {"cache", "results"},

@@ -11,10 +11,11 @@ import pytest
 
 import remat_search
 from remat_search import LayerPolicy, RematPlan, build_workload
-from remat_search.measurement import Executables, Measurement, gradient_error, measure, retime
+from remat_search.executables import Executables, gradient_error, measure, retime
+from remat_search.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.output import describe_trial
-from remat_search.spec import TimingConfig, TransformerConfig, parse_spec
 from remat_search.results import TrialResult
+from remat_search.spec import TimingConfig, TransformerConfig, parse_spec
 
 from .conftest import TINY_TRANSFORMER, spec_dict
 from .workloads import miscomputing, recording
@@ -180,3 +181,31 @@ def test_show_states_an_out_of_memory_peak_in_full() -> None:
     shown = describe_trial(TrialResult(number=3, status="over_budget", measurement=m))
     assert "needs 21.0 GiB per chip (temporaries 20.0 GiB" in shown and "+ arguments and outputs" in shown
     assert "15.0 GiB available" in shown
+
+
+# A measured trial's `measurement` attribute as a study of measurement schema 2 stored it (verdict and raw mixed).
+SCHEMA_2 = (
+    '{"status":"measured","plan_digest":"f8e97cea0872b4b4","memory":{"argument":1245188,"output":1179816,'
+    '"alias":1179652,"temp":917504,"generated_code":0,"host_argument":0,"host_output":0,"host_alias":0,'
+    '"host_temp":0,"compiler_peak":null,"breakdown_sum":2162856,"peak":2162856,"peak_source":"breakdown_sum"},'
+    '"oom_required_bytes":null,"oom_temp_bytes":null,"oom_available_bytes":null,"screened_bytes":null,'
+    '"flops":76398600.0,"bytes_accessed":13435128.0,"compile_seconds":0.807,"time_source":"measured",'
+    '"step_times":[0.003,0.002],"anchor_times":[0.004,0.004],"anchor_seconds":0.008,"estimated_seconds":null,'
+    '"grad_max_abs_error":4.16,"grad_rel_error":3.0,"grad_reference":"full","grad_skipped":null,"error":null}'
+)
+
+
+def test_a_measurement_stored_before_the_raw_part_was_kept_apart_reads_as_it_did() -> None:
+    m = Measurement.model_validate_json(SCHEMA_2)
+    assert m.status == "measured" and m.peak_bytes == 2162856 and m.loss is None
+    assert m.step_seconds == pytest.approx(statistics.median([0.75, 0.5]) * 0.008)
+    assert judge(m.raw, budget=2162856, gradient_tolerance=10.0) == m.model_copy(update={"anchor_seconds": None})
+    assert judge(m.raw, budget=2162856, gradient_tolerance=1.0).status == "failed"
+
+
+def test_a_loss_that_is_not_finite_fails_the_plan_and_is_kept() -> None:
+    memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
+    raw = RawMeasurement(plan_digest="p", memory=memory, time_source="measured", step_times=(0.1,), loss=float("nan"))
+    m = judge(raw, budget=1, gradient_tolerance=1.0)
+    assert m.status == "failed" and m.error == "loss is nan after the timed steps" and m.step_seconds is None
+    assert Measurement.model_validate_json(m.model_dump_json()).raw.model_dump_json() == raw.model_dump_json()

@@ -13,7 +13,8 @@ import optuna
 import pytest
 
 from remat_search import LayerPolicy, RematPlan, SpecError
-from remat_search.measurement import CPU_COMPILER_OPTIONS, MemoryBreakdown, gradient_error
+from remat_search.executables import CPU_COMPILER_OPTIONS, gradient_error
+from remat_search.measurement import MemoryBreakdown
 from remat_search.mlp import MlpWorkload
 from remat_search.plan import apply_layers, scan_layers, segments
 from remat_search.space import Space

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 import remat_search
 from remat_search import RematPlan
-from remat_search.measurement import Executables, measure
+from remat_search.executables import Executables, measure
 from remat_search.spec import TimingConfig, parse_spec
 from remat_search.study import Progress
 from remat_search.units import format_bytes

@@ -11,9 +11,10 @@ import pytest
 
 import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
-from remat_search.measurement import Executables, Measurement, io_bytes, measure
+from remat_search.executables import Executables, io_bytes, measure
+from remat_search.measurement import Measurement
 from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
-from remat_search.target import CHIPS, chip_of, make_mesh, target_devices
+from remat_search.target import CHIPS, TpuAotTarget, target_of
 
 from .conftest import TINY_TRANSFORMER, spec_dict, write_spec
 
@@ -29,7 +30,8 @@ LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_
 
 def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None) -> Measurement:
     workload = build_workload(config)
-    executables = Executables(workload, mesh=make_mesh(target_devices(V5E), mesh_axes), chip=chip_of(V5E))
+    target = target_of(V5E)
+    executables = Executables(workload, target=target, mesh=target.mesh(mesh_axes))
     plan = RematPlan.uniform(policy, workload.layers)
     m = measure(executables, plan, budget=HBM_V5E, timing=TimingConfig(), gradient_tolerance=1e-3)
     assert executables.build(plan).executable is None  # nothing kept that could run for a TPU target
@@ -61,7 +63,7 @@ def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_in_full_wh
     none = _measure(LARGE, "none")
     assert none.status == "over_budget" and none.memory is None
     assert none.oom_available_bytes == HBM_V5E and none.oom_temp_bytes > HBM_V5E  # "HLO temporaries (20.36G)"
-    mesh = make_mesh(target_devices(V5E), None)
+    mesh = target_of(V5E).mesh(None)
     abstract = build_workload(LARGE).abstract_inputs(mesh)
     arguments = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     assert none.peak_bytes == none.oom_required_bytes >= none.oom_temp_bytes + arguments  # comparable with peaks
@@ -125,4 +127,4 @@ def test_bad_targets_are_clean_errors(cli, tmp_path: Path, storage_url: str, cha
 def test_without_libtpu_a_tpu_target_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "libtpu", None)  # as if it were not installed
     with pytest.raises(SpecError, match=r"pip install 'remat-search\[tpu\]'"):
-        target_devices(V5E)
+        TpuAotTarget(V5E).devices()

@@ -1,0 +1,332 @@
+"""Measuring plans in a worker: compile each once, read memory from the compiler, and only
+if a plan fits, run it.
+
+:func:`measure` runs inside a worker process (see ``runner.py``) with the worker's
+:class:`Executables`, which compile each plan's step once per worker, whatever the budget.
+The peak comes from ``Compiled.memory_analysis()``; a plan whose peak exceeds the budget is
+never executed. A plan that fits runs its first step on fresh inputs, and the change that step
+makes to the training state (and its loss) is checked against the reference's first step: full
+remat, the same mathematics in the least memory, run only where it fits the budget too. That
+step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
+step of the anchor (full remat again). What was seen is a raw measurement, judged against the
+budget and the tolerance by :func:`measurement.judge`. :func:`retime` re-times kept executables
+interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from remat_search.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
+from remat_search.plan import RematPlan
+from remat_search.spec import TimingConfig
+from remat_search.target import LocalTarget, Target, out_of_memory
+from remat_search.units import format_bytes
+
+KEPT_EXECUTABLES = 64
+"""How many compiled steps a worker keeps (least recently used dropped first), besides the anchor."""
+
+# On CPU the default (concurrency-optimised) scheduler hides what remat saves.
+CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One plan compiled for the worker's devices: what the compiler said, and the executable
+    (None where nothing runs here, or where the compiler ran out of memory)."""
+
+    executable: Any | None
+    seconds: float
+    """Lowering and compiling, in seconds."""
+    memory: MemoryBreakdown | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+    oom: tuple[int, int, int] | None = None
+    """(bytes needed in full, temporaries, available) from the compiler's out-of-memory error."""
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What an executable's first step did to fresh inputs, on the host: the change to each
+    leaf of the training state (new − initial; an optimizer's moments carry the gradients),
+    and the loss."""
+
+    change: Any
+    loss: float
+
+
+class Executables:
+    """The compiled training steps of one workload in one worker process, by plan digest.
+
+    Each plan is lowered and compiled once per worker, whatever the budget: the verdict
+    against a budget reads the kept figures, and the gradient check, the timing and
+    confirmation (:func:`retime`) run the executable that was measured. The worker keeps
+    at most ``capacity`` executables, the least recently used dropped first (a plan dropped
+    and asked for again is compiled again), and the anchor's besides. Where nothing runs (a
+    TPU target compiled ahead of time) only the compiler's figures are kept. The reference's
+    first step (see :meth:`reference`) is computed at most once and kept on the host. A new
+    worker (after a crash or a timeout) starts empty.
+    """
+
+    def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
+                 capacity: int = KEPT_EXECUTABLES) -> None:
+        self.workload, self.mesh, self.capacity = workload, mesh, capacity
+        self.target = target or LocalTarget()
+        self.cpu = self.target.platform == "cpu"
+        self.anchor_plan = anchor_plan(workload.layers)
+        self._kept: OrderedDict[str, Build] = OrderedDict()
+        self._anchor: Build | None = None
+        self._reference: FirstStep | None = None
+
+    def build(self, plan: RematPlan) -> Build:
+        """``plan`` compiled: kept from before, or compiled now. Exceptions other than the
+        compiler's out-of-memory propagate (and nothing is kept)."""
+        if plan.digest == self.anchor_plan.digest:
+            if self._anchor is None:
+                self._anchor = self._compile(plan)
+            return self._anchor
+        kept = self._kept.pop(plan.digest, None) or self._compile(plan)
+        self._kept[plan.digest] = kept
+        if len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+        return kept
+
+    def anchor(self, budget: int) -> Build | None:
+        """The anchor plan compiled, or None where its peak exceeds ``budget`` (it is not run)."""
+        build = self.build(self.anchor_plan)
+        return build if build.memory is not None and build.memory.peak <= budget else None
+
+    def reference(self, budget: int) -> FirstStep | None:
+        """Full remat's first step on fresh inputs, the reference every plan's is checked
+        against; None where full remat does not fit ``budget`` (it is not run)."""
+        anchor = self.anchor(budget)
+        if anchor is None:
+            return None
+        if self._reference is None:
+            _, self._reference = first_step(anchor.executable, self.inputs())
+        return self._reference
+
+    def inputs(self) -> tuple[Any, Any]:
+        """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
+        import jax
+
+        inputs = self.workload.inputs()
+        return inputs if self.mesh is None else jax.device_put(inputs, self.workload.shardings(self.mesh))
+
+    def _compile(self, plan: RematPlan) -> Build:
+        workload, mesh = self.workload, self.mesh
+        start = time.perf_counter()
+        abstract = workload.abstract_inputs(mesh)
+        lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
+        try:
+            compiled = lowered.compile(compiler_options=compiler_options(self.cpu) or None)
+        except Exception as e:
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
+            temp, available = oom
+            return Build(None, time.perf_counter() - start, oom=(temp + io_bytes(lowered, abstract), temp, available))
+        return Build(
+            compiled if self.target.executes else None, time.perf_counter() - start,
+            memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
+        )
+
+
+def measure(
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+) -> Measurement:
+    """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
+    only if it fits ``budget``; judge what was seen (:func:`measurement.judge`).
+
+    Over the executables' mesh inputs are sharded and memory is per device. Where the target
+    does not execute (a TPU compiled for ahead of time) nothing runs: the step time is the
+    target's estimate, whatever the budget. With ``timing.anchor`` each timed step follows one of the
+    anchor's (full remat), where the anchor fits the budget; else the plan is timed alone. A
+    plan whose first step fails the check is not timed. Exceptions other than the compiler's
+    out-of-memory propagate: the worker turns them into a failed measurement.
+    """
+    raw = _observe(executables, plan, budget=budget, timing=timing, gradient_tolerance=gradient_tolerance)
+    return judge(raw, budget=budget, gradient_tolerance=gradient_tolerance)
+
+
+def _observe(
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+) -> RawMeasurement:
+    """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
+    build = executables.build(plan)
+    if build.oom is not None:
+        required, temp, available = build.oom
+        return RawMeasurement(
+            plan_digest=plan.digest, compile_seconds=build.seconds,
+            oom_required_bytes=required, oom_temp_bytes=temp, oom_available_bytes=available,
+        )
+    assert build.memory is not None
+    seen: dict[str, Any] = {
+        "plan_digest": plan.digest, "compile_seconds": build.seconds, "memory": build.memory,
+        "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
+    }
+    if not executables.target.executes:
+        return RawMeasurement(
+            time_source="estimated", estimated_seconds=executables.target.estimate_seconds(build.cost), **seen,
+        )
+    if build.memory.peak > budget:
+        return RawMeasurement(**seen)
+
+    reference = executables.reference(budget)  # first, so that one training state is on the device at a time
+    inputs, warmup = executables.inputs(), timing.warmup
+    if reference is None:
+        needs = executables.build(executables.anchor_plan).memory
+        seen["grad_skipped"] = (
+            f"the reference, full remat, needs {format_bytes(needs.peak) if needs else 'more'} "
+            f"> budget {format_bytes(budget)}, and nothing over the budget is run"
+        )
+    else:
+        inputs, first = first_step(build.executable, inputs)
+        abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
+        seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full")
+        if not rel_error <= gradient_tolerance:
+            return RawMeasurement(**seen)  # failed: not timed
+        warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
+
+    anchor = executables.anchor(budget) if timing.anchor else None
+    steps = [build.executable] if anchor is None else [anchor.executable, build.executable]  # the plan's last
+    (*anchor_times, times), loss = _time_steps(steps, inputs, warmup=warmup, rounds=timing.repeats)
+    return RawMeasurement(
+        time_source="measured", step_times=times, anchor_times=anchor_times[0] if anchor_times else (),
+        loss=loss, **seen,
+    )
+
+
+def retime(
+    executables: Executables, plans: list[RematPlan], *, warmup: int, rounds: int,
+    budget: int | None = None, seed: int = 0,
+) -> list[tuple[float, ...]]:
+    """Time ``plans`` interleaved, each round in an order shuffled by a ``seed``-ed generator,
+    so that a slow spell of a shared machine slows them all alike and no plan always follows
+    the same one; return each plan's step times.
+
+    The worker's kept executables run (see :class:`Executables`). One training state passes
+    from step to step (every plan's step has the same signature), so only one lives on the
+    device. A plan over ``budget``, or one that cannot run here, raises ``ValueError``: it is
+    never run. Used to confirm a search's ranking.
+    """
+    builds = [executables.build(plan) for plan in plans]
+    for plan, build in zip(plans, builds, strict=True):
+        if build.executable is None:
+            raise ValueError(f"plan {plan.summary()} cannot run here (compiled for another target, or out of memory)")
+        if budget is not None and build.memory is not None and build.memory.peak > budget:
+            raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
+    times, _ = _time_steps(
+        [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
+    )
+    return times
+
+
+def anchor_plan(layers: int) -> RematPlan:
+    """The plan every candidate is timed against (``timing.anchor``) and checked against:
+    full remat, which runs in the least memory of the policies that keep everything on the
+    device."""
+    return RematPlan.uniform("full", layers)
+
+
+def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any], FirstStep]:
+    """Run ``executable`` once on ``inputs`` (which it donates); the new ``(state, batch)``,
+    still on the devices, and what the step did (on the host)."""
+    import jax
+
+    state, batch = inputs
+    before = jax.device_get(state)
+    state, loss = executable(state, batch)
+    change = jax.tree.map(_change, jax.device_get(state), before)
+    return (state, batch), FirstStep(change=change, loss=float(loss))
+
+
+def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """new − initial, computed in float64 and kept as float32 (float64 for 64-bit leaves)."""
+    after = np.asarray(after)
+    delta = after.astype(np.float64) - np.asarray(before).astype(np.float64)
+    return delta if after.dtype.itemsize > 4 else delta.astype(np.float32)
+
+
+def io_bytes(lowered: Any, abstract: Any) -> int:
+    """Per-chip bytes of a lowered program's arguments and outputs, less the donated arguments
+    that outputs of the same shape alias: what the TPU compiler's out-of-memory error leaves
+    out of the bytes it needs. Logical sizes (before the TPU pads arrays to tiles)."""
+    import jax
+
+    def shard(a: Any) -> tuple[tuple[int, ...], str]:
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+        return tuple(shape), str(np.dtype(a.dtype))
+
+    def nbytes(key: tuple[tuple[int, ...], str]) -> int:
+        return math.prod(key[0]) * np.dtype(key[1]).itemsize
+
+    args = [shard(a) for a in jax.tree.leaves(abstract)]
+    donated = [info.donated for info in jax.tree.leaves(lowered.args_info)]
+    free = Counter(key for key, d in zip(args, donated, strict=True) if d)
+    total = sum(map(nbytes, args))
+    for key in (shard(o) for o in jax.tree.leaves(lowered.out_info)):
+        total += nbytes(key)
+        if free[key]:  # a donated argument's buffer holds this output
+            free[key] -= 1
+            total -= nbytes(key)
+    return total
+
+
+def _time_steps(
+    steps: list[Any], inputs: tuple[Any, Any], *, warmup: int, rounds: int, order: random.Random | None = None
+) -> tuple[list[tuple[float, ...]], float]:
+    """Run each executable in turn, ``warmup + rounds`` times, from ``inputs`` (the one state
+    the device holds: each step donates it), in the order given, or shuffled every round by
+    ``order``; the timed seconds of each, and the last loss."""
+    import jax
+
+    state, batch = inputs
+    times: list[list[float]] = [[] for _ in steps]
+    loss = None
+    for i in range(warmup + rounds):
+        turn = list(range(len(steps)))
+        if order is not None:
+            order.shuffle(turn)
+        for j in turn:
+            t0 = time.perf_counter()
+            state, loss = steps[j](state, batch)
+            jax.block_until_ready((state, loss))
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [tuple(t) for t in times], float(loss)
+
+
+def compiler_options(cpu: bool) -> dict[str, str]:
+    """The compiler options plans are compiled with: the memory-optimised scheduler on CPU."""
+    return dict(CPU_COMPILER_OPTIONS) if cpu else {}
+
+
+def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
+    """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
+    arrays: gradients, or what a plan's first step did (state change and loss) against the
+    reference's."""
+    import jax
+
+    abs_error = rel_error = 0.0
+    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(reference), strict=True):
+        diff = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
+        scale = float(np.max(np.abs(np.asarray(r, np.float64))))
+        abs_error = max(abs_error, diff)
+        rel_error = max(rel_error, diff / scale if scale > 0 else diff)
+    return abs_error, rel_error
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    """FLOPs and bytes accessed of one device's program (recomputation included)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX returns one dict per device program
+        cost = cost[0] if cost else {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if cost and k in cost}
