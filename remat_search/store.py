@@ -21,7 +21,7 @@ import sqlalchemy
 import sqlalchemy.exc
 
 from remat_search.errors import StorageError
-from remat_search.spec import STORAGE_ENV, default_storage, storage_home
+from remat_search.spec import HOME_ENV, STORAGE_ENV, default_storage, storage_home
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
@@ -193,8 +193,14 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
         raise StorageError(
             f"storage: no database at {str(path)!r} ({shown}); run a search first, or pass --storage"
         )
-    if path.parent == storage_home():
-        return  # the default home: made on first use (open_storage)
+    if path.parent == storage_home():  # the default home: made on first use (open_storage)
+        existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise StorageError(
+                f"storage: the storage home {str(path.parent)!r} (${HOME_ENV}, else the default) cannot be "
+                f"made: {str(existing)!r} is not a writable directory; set {HOME_ENV} or pass --storage"
+            )
+        return
     if not path.parent.is_dir():
         raise StorageError(
             f"storage: directory {str(path.parent)!r} of {shown!r} does not exist; "

@@ -74,3 +74,15 @@ def test_a_write_waits_for_another_processs_lock_instead_of_failing(tmp_path: Pa
         release.join()
         locker.close()
     assert optuna.load_study(study_name="locked", storage=url).user_attrs == {"written": True}
+
+
+def test_a_storage_home_that_cannot_be_made_is_bad_input(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    spec = spec_dict("unused", trials=1, workload={"kind": "mlp", "layers": 2, "width": 16, "hidden": 32, "batch": 8},
+                     space={"layout": "uniform", "choices": ["full"]})
+    del spec["storage"]
+    result = _cli("run", str(write_spec(tmp_path / "spec.yaml", spec)), cwd=tmp_path, home=a_file / "home")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "REMAT_SEARCH_HOME" in result.stderr and "is not a writable directory" in result.stderr
+    assert result.stderr.count("\n") == 1 and not list(tmp_path.glob("**/*.db"))
