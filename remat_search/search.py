@@ -152,6 +152,7 @@ def _run_trial(
     """
     trial = study.ask()
     reused_from = cached_from = None
+    m: Measurement | None = None
     try:
         me = psutil.Process()
         trial.set_user_attr(HOST_ATTR, socket.gethostname())
