@@ -220,7 +220,3 @@ def _shown(url: str) -> str:
         parsed = parsed.set(database=str(Path(parsed.database).resolve()))
     return parsed.render_as_string(hide_password=True)
 
-
-def shown_url(url: str | None) -> str:
-    """The storage URL that ``url`` resolves to (:func:`resolve_url`), as messages print it."""
-    return _shown(resolve_url(url))
