@@ -81,8 +81,9 @@ def open_storage(url: str | None = None, *, create: bool = False) -> optuna.stor
     """
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
-    if create and url == default_storage():
-        storage_home().mkdir(parents=True, exist_ok=True)
+    database = sqlalchemy.engine.make_url(url).database  # a valid URL: check_storage parsed it
+    if create and database and Path(database).resolve().parent == storage_home():
+        storage_home().mkdir(parents=True, exist_ok=True)  # as _check_sqlite_path allowed
     with translate_errors(url):
         for attempt in range(3):
             try:
