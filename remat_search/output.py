@@ -112,8 +112,7 @@ def _spread(t: TrialResult) -> str:
 
     c, m = t.confirmed, t.measurement
     if t.time_source == "confirmed" and c is not None:
-        ratios = [a / b for a, b in zip(c.times, c.anchor_times, strict=True)] if c.anchor_times else c.times
-        return f"±{relative_spread(ratios) / 2:.0%}"
+        return f"±{relative_spread(c.ratios or c.times) / 2:.0%}"
     return f"±{m.spread / 2:.0%}" if m and m.spread is not None else "—"
 
 

@@ -52,11 +52,14 @@ class Confirmed(BaseModel):
         return statistics.median(self.times)
 
     @property
+    def ratios(self) -> tuple[float, ...]:
+        """Each round's time over the anchor's in that round (empty if the session had none)."""
+        return tuple(t / a for t, a in zip(self.times, self.anchor_times, strict=True)) if self.anchor_times else ()
+
+    @property
     def anchor_ratio(self) -> float | None:
-        """The median of the per-round ratios to the anchor (None if the session had none)."""
-        if not self.anchor_times:
-            return None
-        return statistics.median(t / a for t, a in zip(self.times, self.anchor_times, strict=True))
+        """The median of :attr:`ratios` (None if the session had no anchor)."""
+        return statistics.median(self.ratios) if self.anchor_times else None
 
     @property
     def spread(self) -> float:
