@@ -43,6 +43,20 @@ measurements = sa.Table(
 )
 
 
+claims = sa.Table(
+    "remat_search_claims",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("study", sa.String(512), nullable=False),
+    sa.Column("trial", sa.Integer, nullable=False),
+    sa.Column("created", sa.DateTime),
+)
+"""Plans being measured now, by the hash of their cache key: a search claims a plan before it
+measures it, so no plan is measured twice at once by the searches sharing a database (another
+search that wants it waits for the measurement). The claim names the trial that holds it: a
+claim whose trial is no longer running is stale (its process died) and may be taken over."""
+
+
 def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     """The key columns of one plan's measurement on ``device``."""
     backend = json.dumps({"target": device.target, "platform": device.platform, "mesh": device.mesh}, sort_keys=True)
@@ -69,8 +83,40 @@ class Cached(NamedTuple):
 
 
 def create_table(engine: sa.Engine) -> None:
-    """Make the cache table if it is missing (optuna's tables are left alone)."""
-    metadata.create_all(engine, tables=[measurements])
+    """Make the cache's tables if they are missing (optuna's tables are left alone)."""
+    metadata.create_all(engine, tables=[measurements, claims])
+
+
+def claim(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: str, trial: int) -> tuple[str, int] | None:
+    """Claim the plan for ``study``'s ``trial`` to measure: None where it is ours now (or was
+    already), else the ``(study, trial)`` that holds it."""
+    key = _claim_key(device, plan_digest)
+    try:
+        with engine.begin() as connection:  # the insert's own transaction: a conflict rolls it back
+            connection.execute(claims.insert().values(
+                key=key, study=study, trial=trial, created=datetime.datetime.now(datetime.UTC).replace(tzinfo=None),
+            ))
+        return None
+    except sa.exc.IntegrityError:
+        pass
+    with engine.connect() as connection:
+        row = connection.execute(sa.select(claims.c.study, claims.c.trial).where(claims.c.key == key)).first()
+    if row is None:  # released a moment ago
+        return claim(engine, device, plan_digest, study=study, trial=trial)
+    return None if (row.study, row.trial) == (study, trial) else (row.study, row.trial)
+
+
+def release(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: str, trial: int) -> None:
+    """Give up ``study``'s ``trial``'s claim of the plan (nothing where another holds it): after
+    its measurement is stored, or when the claim is stale and is taken over."""
+    with engine.begin() as connection:
+        connection.execute(claims.delete().where(
+            claims.c.key == _claim_key(device, plan_digest), claims.c.study == study, claims.c.trial == trial,
+        ))
+
+
+def _claim_key(device: DeviceInfo, plan_digest: str) -> str:
+    return hashlib.sha256(json.dumps(cache_key(device, plan_digest), sort_keys=True).encode()).hexdigest()
 
 
 def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:

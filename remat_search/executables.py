@@ -45,6 +45,8 @@ class Build:
     executable: Any | None
     seconds: float
     """Lowering and compiling, in seconds."""
+    started: float = 0.0
+    """When lowering began (Unix seconds)."""
     memory: MemoryBreakdown | None = None
     cost: dict[str, float] = field(default_factory=dict)
     oom: tuple[int, int, int] | None = None
@@ -121,7 +123,7 @@ class Executables:
 
     def _compile(self, plan: RematPlan) -> Build:
         workload, mesh = self.workload, self.mesh
-        start = time.perf_counter()
+        started, start = time.time(), time.perf_counter()
         abstract = workload.abstract_inputs(mesh)
         lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
         try:
@@ -131,9 +133,11 @@ class Executables:
             if oom is None:
                 raise
             temp, available = oom
-            return Build(None, time.perf_counter() - start, oom=(temp + io_bytes(lowered, abstract), temp, available))
+            return Build(
+                None, time.perf_counter() - start, started, oom=(temp + io_bytes(lowered, abstract), temp, available)
+            )
         return Build(
-            compiled if self.target.executes else None, time.perf_counter() - start,
+            compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
         )
 
@@ -159,16 +163,18 @@ def _observe(
     executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
+    compiles = time.time()
     build = executables.build(plan)
+    compiled_at = (build.started, build.started + build.seconds) if build.started >= compiles else None
     if build.oom is not None:
         required, temp, available = build.oom
         return RawMeasurement(
-            plan_digest=plan.digest, compile_seconds=build.seconds,
+            plan_digest=plan.digest, compile_seconds=build.seconds, compiled_at=compiled_at,
             oom_required_bytes=required, oom_temp_bytes=temp, oom_available_bytes=available,
         )
     assert build.memory is not None
     seen: dict[str, Any] = {
-        "plan_digest": plan.digest, "compile_seconds": build.seconds, "memory": build.memory,
+        "plan_digest": plan.digest, "compile_seconds": build.seconds, "compiled_at": compiled_at, "memory": build.memory,
         "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
     }
     if not executables.target.executes:
@@ -177,7 +183,18 @@ def _observe(
         )
     if build.memory.peak > budget:
         return RawMeasurement(**seen)
+    executables.anchor(budget)  # compiled before the device is taken: compiles need not wait for it
+    with executables.target.device_lock():
+        started = time.time()
+        raw = _run(executables, build, plan, budget=budget, timing=timing, tolerance=gradient_tolerance, seen=seen)
+        return raw.model_copy(update={"ran_at": (started, time.time())})
 
+
+def _run(
+    executables: Executables, build: Build, plan: RematPlan, *, budget: int, timing: TimingConfig,
+    tolerance: float, seen: dict[str, Any],
+) -> RawMeasurement:
+    """Check ``plan``'s first step against the reference and time it, the device held."""
     reference = executables.reference(budget)  # first, so that one training state is on the device at a time
     inputs, warmup = executables.inputs(), timing.warmup
     if reference is None:
@@ -190,7 +207,7 @@ def _observe(
         inputs, first = first_step(build.executable, inputs)
         abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
         seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full")
-        if not rel_error <= gradient_tolerance:
+        if not rel_error <= tolerance:
             return RawMeasurement(**seen)  # failed: not timed
         warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
 
@@ -222,9 +239,10 @@ def retime(
             raise ValueError(f"plan {plan.summary()} cannot run here (compiled for another target, or out of memory)")
         if budget is not None and build.memory is not None and build.memory.peak > budget:
             raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
-    times, _ = _time_steps(
-        [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
-    )
+    with executables.target.device_lock():
+        times, _ = _time_steps(
+            [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
+        )
     return times
 
 

@@ -96,6 +96,12 @@ class RawMeasurement(BaseModel):
     flops: float | None = None
     bytes_accessed: float | None = None
     compile_seconds: float | None = None
+    compiled_at: tuple[float, float] | None = None
+    """When this worker compiled the plan (start and end, Unix seconds); None where it reused
+    an executable it had kept."""
+    ran_at: tuple[float, float] | None = None
+    """When the plan held the device (start and end, Unix seconds): its state placed, checked
+    and timed. Plans of one host never hold its device at once (see ``Target.device_lock``)."""
     time_source: Literal["measured", "estimated"] | None = None
     """``measured``: the plan ran and was timed; ``estimated``: a compile-only target's model of
     its step; None: it never ran (it was over the budget it was measured under, or failed its

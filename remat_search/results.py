@@ -156,7 +156,8 @@ def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> Tria
     if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):  # pruned: screened out, over budget
         status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
     elif trial.state == TrialState.FAIL:
-        status = "interrupted" if attrs.get(FAILURE_ATTR) == INTERRUPTED else "failed"
+        # Failed by the runner, with its reason; else its process stopped or died (see liveness.py).
+        status = "failed" if attrs.get(FAILURE_ATTR) not in (None, INTERRUPTED) else "interrupted"
     elif trial.state == TrialState.WAITING:
         status = "waiting"
     else:

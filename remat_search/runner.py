@@ -149,6 +149,13 @@ class Runner:
             raise RematSearchError(f"confirm: re-timing failed ({payload})")
         return [tuple(t) for t in json.loads(payload)]
 
+    def kill(self) -> None:
+        """Kill the worker now, from any thread: a measurement in progress comes back failed
+        (the search stops its workers so on Ctrl-C)."""
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+
     def close(self) -> None:
         """Stop the worker (killing it if it does not stop at once)."""
         if self._process is not None:
@@ -215,6 +222,8 @@ def _serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the search, which stops the worker
     # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Several workers may share a GPU (one plan on it at a time): none may take its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     target_config, mesh_axes = where
     try:
         import jax

@@ -9,22 +9,31 @@ left running by a killed search are failed and their plans queued again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-import socket
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import optuna
-import psutil
-import sqlalchemy
 from optuna.trial import TrialState
 
 from remat_search import cache
 from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
+from remat_search.liveness import (
+    Heartbeats,
+    ask,
+    counts,
+    enqueue,
+    fail_and_requeue,
+    heartbeat_storage_options,
+    mark,
+    recover,
+)
 from remat_search.measurement import Measurement, judge
 from remat_search.plan import RematPlan
 from remat_search.planner import (
@@ -45,12 +54,9 @@ from remat_search.store import (
     ANCHOR_ATTR,
     CACHED_ATTR,
     FAILURE_ATTR,
-    HOST_ATTR,
-    INTERRUPTED,
     LABELS_ATTR,
     LAYERS_ATTR,
     MEASUREMENT_ATTR,
-    PID_ATTR,
     PLAN_ATTR,
     PREDICTION_ATTR,
     QUEUED_ATTR,
@@ -71,6 +77,7 @@ from remat_search.study import (
     changed_settings,
     finished_trials,
     resolve_budget,
+    resolve_workers,
     runner_for,
     spec_of_study,
 )
@@ -79,15 +86,16 @@ from remat_search.workload import build_workload
 
 logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
-STARTED_ATTR = "pid_started"
 INITIALIZED_ATTR = "initialized"
 
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
     """Search ``spec`` until its study holds ``spec.trials`` finished trials; return the report.
 
-    ``on_progress`` hears a :class:`~remat_search.study.Progress` when the study is open
-    (``start``), before and after every trial (``trial``, ``result``) and around the
-    confirmation (``confirm``, ``confirmed``).
+    ``spec.workers`` worker processes measure plans at once, each driven by a thread of this
+    process (see :class:`_Workers`). ``on_progress`` hears a
+    :class:`~remat_search.study.Progress` when the study is open (``start``), before and after
+    every trial (``trial``, ``result``) and around the confirmation (``confirm``,
+    ``confirmed``), from the workers' threads.
     """
     tell = on_progress or (lambda _: None)
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
@@ -95,8 +103,9 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     space = Space.of(spec.space, workload.layers)
     space.check_names(workload.tensor_names)
     check_sampler(spec.sampler)
-    with runner_for(spec) as runner:
-        device = runner.describe()
+    with contextlib.ExitStack() as stack:
+        runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
+        device = runners[0].describe()  # the others start in their threads
         offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
         if offload and device.platform == "cpu":
             raise SpecError(
@@ -104,23 +113,19 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                 "this machine compiles for cpu"
             )
         budget = resolve_budget(spec.budget, device)
-        storage = open_storage(spec.storage, create=True)
+        storage = open_storage(
+            spec.storage, create=True, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params)
+        )
         with translate_errors(spec.storage):  # the storage calls that open the study; later ones fail at run time
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, space)
-            _requeue_interrupted(study, storage, space.n_params)
+            recover(study, n_params=space.n_params, grace=spec.heartbeat.grace)
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
-        # Counted afresh each time: other processes may be searching the same study.
-        while (done := finished_trials(study)) < spec.trials:
-            result = _run_trial(
-                spec, budget, study, runner, space, storage.engine, device,
-                begins=lambda t: tell(Progress(event="trial", done=done, total=spec.trials, trial=t)),
-            )
-            tell(Progress(event="result", done=done + 1, total=spec.trials, trial=result))
+        _Workers(spec, budget, study, space, storage, device, tell).run(runners)
         if spec.confirm.top and device.executes:
             try:
                 return confirm(
-                    study, runner, budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
+                    study, runners[0], budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
                     warmup=spec.timing.warmup, presets=spec.confirm.presets, on_progress=on_progress,
                 )
             except NoFeasiblePlan:
@@ -133,66 +138,218 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         return study_report(study)
 
 
-def _run_trial(
-    spec: SearchSpec,
-    budget: int,
-    study: optuna.Study,
-    runner: Runner,
-    space: Space,
-    engine: sqlalchemy.Engine,
-    device: DeviceInfo,
-    *,
-    begins: Callable[[TrialResult], None],
-) -> TrialResult:
-    """Ask for one plan, measure it (or reuse its cached measurement), record it; ``begins``
-    hears the trial (status ``running``) once its plan is known, before it is measured.
+class _Stopped(Exception):
+    """The search is stopping (Ctrl-C, or another worker's thread failed)."""
 
-    If anything interrupts it here (Ctrl-C, a worker that cannot restart), the trial is
-    failed as interrupted and its plan queued again before the error goes on.
+
+class _Asked(NamedTuple):
+    trial: optuna.Trial
+    plan: RematPlan
+    labels: tuple[str, ...]
+
+
+_WAIT = "wait"
+"""What :meth:`_Workers.next` answers while the remaining trials are all running elsewhere."""
+POLL_SECONDS = 1.0
+"""How often a waiting worker's thread looks again: for a trial to finish, or a claim to go."""
+
+
+class _Workers:
+    """The threads of one search, one per worker process: each asks optuna for a plan, measures
+    it in its worker and records it, until the study holds ``spec.trials`` finished trials.
+
+    Proposals are made one at a time (each sampler sees the plans in flight: the planner
+    proposes none twice, TPE lies about the running ones), and a trial is asked for only while
+    finished plus running trials, over every process that searches the study, are fewer than
+    ``spec.trials``; so a study ends with exactly that many, whatever the workers and hosts.
+    Each plan is claimed before it is measured (:func:`cache.claim`): one measured elsewhere
+    right now is waited for, then its measurement reused. Dead trials, of this host or
+    another, are failed and their plans queued again (:func:`liveness.recover`).
     """
-    trial = study.ask()
-    reused_from = cached_from = None
-    m: Measurement | None = None
-    try:
-        me = psutil.Process()
-        trial.set_user_attr(HOST_ATTR, socket.gethostname())
-        trial.set_user_attr(PID_ATTR, me.pid)
-        trial.set_user_attr(STARTED_ATTR, me.create_time())
-        plan = space.suggest(trial)
-        record_prediction(study, trial)
-        labels = space.layer_labels(trial.params)
-        trial.set_user_attr(PLAN_ATTR, plan.to_json())
-        trial.set_user_attr(LABELS_ATTR, list(labels))
-        hit = cache.lookup(engine, device, plan.digest)
-        if hit and not cache.measure_again(
-            hit.raw, budget=budget, repeats=spec.timing.repeats, anchored=spec.timing.anchor
-        ):
-            m = judge(hit.raw, budget=budget, gradient_tolerance=spec.gradient_tolerance)  # as the worker would
-            if hit.study == spec.study and _plan_of(study, hit.trial) == plan.digest:
-                reused_from = hit.trial
-                trial.set_user_attr(REUSED_ATTR, reused_from)
-            else:
-                cached_from = f"{hit.study}#{hit.trial}"
-                trial.set_user_attr(CACHED_ATTR, cached_from)
-        begins(TrialResult(
-            number=trial.number, status="running", plan=plan, labels=labels, reused_from=reused_from,
-            cached_from=cached_from,
+
+    def __init__(
+        self, spec: SearchSpec, budget: int, study: optuna.Study, space: Space,
+        storage: optuna.storages.RDBStorage, device: DeviceInfo, tell: ProgressCallback,
+    ) -> None:
+        self.spec, self.budget, self.study, self.space = spec, budget, study, space
+        self.storage, self.engine, self.device, self.tell = storage, storage.engine, device, tell
+        self.lock = threading.Lock()
+        """Held while a plan is proposed and the trials are counted: one thread at a time."""
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.heartbeats = Heartbeats(storage, spec.heartbeat)
+        self.recovered = time.monotonic()
+
+    def run(self, runners: list[Runner]) -> None:
+        """Measure with every runner until the study is done; raise the first thread's error,
+        or KeyboardInterrupt, once every thread has put its trial back."""
+        threads = [
+            threading.Thread(target=self._work, args=(runner,), name=f"remat-search-worker-{i}", daemon=True)
+            for i, runner in enumerate(runners)
+        ]
+        with self.heartbeats:
+            for thread in threads:
+                thread.start()
+            try:
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(0.2)
+            except BaseException:  # Ctrl-C: stop the workers; each thread requeues its trial
+                self.stop.set()
+                for runner in runners:
+                    runner.kill()
+                for thread in threads:
+                    thread.join()
+                raise
+        if self.errors:
+            raise self.errors[0]
+
+    def _work(self, runner: Runner) -> None:
+        try:
+            while not self.stop.is_set():
+                asked = self.next()
+                if asked is None:
+                    return
+                if asked == _WAIT:
+                    self.stop.wait(POLL_SECONDS)
+                    continue
+                self.measure(asked, runner)
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - raised again by run(), in the main thread
+            self.errors.append(e)
+            self.stop.set()
+
+    def next(self) -> _Asked | Literal["wait"] | None:
+        """The next trial with its plan; ``_WAIT`` while the trials still to finish are all
+        running; None when the study is done."""
+        with self.lock:
+            self._recover_if_due()
+            trials = self.study.get_trials(deepcopy=False)
+            done = sum(1 for t in trials if counts(t))
+            if done >= self.spec.trials:
+                return None
+            if done + sum(1 for t in trials if t.state == TrialState.RUNNING) >= self.spec.trials:
+                return _WAIT
+            trial = ask(self.study)
+            if not self._admitted(trial):  # another process asked for the last one at the same moment
+                fail_and_requeue(self.study, self._frozen(trial), n_params=self.space.n_params)
+                return _WAIT
+            try:
+                mark(trial)
+                self.heartbeats.add(trial._trial_id)
+                plan = self.space.suggest(trial)
+                record_prediction(self.study, trial)
+                labels = self.space.layer_labels(trial.params)
+                trial.set_user_attr(PLAN_ATTR, plan.to_json())
+                trial.set_user_attr(LABELS_ATTR, list(labels))
+            except BaseException:
+                self._interrupt(trial)
+                raise
+            return _Asked(trial, plan, labels)
+
+    def _admitted(self, trial: optuna.Trial) -> bool:
+        """Whether ``trial`` (just asked for) is within ``spec.trials``: the counted trials and
+        those running that started before it leave room for it."""
+        me = self._frozen(trial)
+        key = (me.datetime_start, me.number)
+        trials = self.study.get_trials(deepcopy=False)
+        ahead = sum(
+            1 for t in trials
+            if counts(t) or (t.state == TrialState.RUNNING and t.number != me.number and (t.datetime_start, t.number) < key)
+        )
+        return ahead < self.spec.trials
+
+    def measure(self, asked: _Asked, runner: Runner) -> None:
+        """Measure the plan of ``asked`` (or reuse a cached measurement of it) and record it.
+
+        If anything interrupts it (Ctrl-C, a worker that cannot restart), the trial is failed
+        as interrupted and its plan queued again before the error goes on."""
+        trial, plan, labels = asked
+        spec, study = self.spec, self.study
+        reused_from = cached_from = None
+        m: Measurement | None = None
+        claimed = False
+        try:
+            self._claim(trial, plan)
+            claimed = True
+            hit = cache.lookup(self.engine, self.device, plan.digest)
+            if hit and not cache.measure_again(
+                hit.raw, budget=self.budget, repeats=spec.timing.repeats, anchored=spec.timing.anchor
+            ):
+                m = judge(hit.raw, budget=self.budget, gradient_tolerance=spec.gradient_tolerance)  # as the worker would
+                if hit.study == spec.study and _plan_of(study, hit.trial) == plan.digest:
+                    reused_from = hit.trial
+                    trial.set_user_attr(REUSED_ATTR, reused_from)
+                else:
+                    cached_from = f"{hit.study}#{hit.trial}"
+                    trial.set_user_attr(CACHED_ATTR, cached_from)
+            self.tell(Progress(
+                event="trial", done=finished_trials(study), total=spec.trials, trial=TrialResult(
+                    number=trial.number, status="running", plan=plan, labels=labels, reused_from=reused_from,
+                    cached_from=cached_from,
+                ),
+            ))
+            if m is None:
+                m = _screened(spec, study, trial, self.space, plan, self.budget) or runner.measure(
+                    plan, budget=self.budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
+                )
+            if self.stop.is_set():  # its worker was killed to stop the search: not a failure of the plan
+                raise _Stopped
+            if reused_from is None and cached_from is None:
+                cache.store(self.engine, self.device, m, study=spec.study, trial=trial.number)
+            m = m.model_copy(update={"anchor_seconds": _anchor_seconds(study, m) if spec.timing.anchor else None})
+            _record(study, trial, m, self.budget)
+        except BaseException:
+            self._interrupt(trial)
+            raise
+        finally:
+            self.heartbeats.remove(trial._trial_id)
+            if claimed:
+                cache.release(self.engine, self.device, plan.digest, study=spec.study, trial=trial.number)
+        self.tell(Progress(
+            event="result", done=finished_trials(study), total=spec.trials, trial=TrialResult(
+                number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
+                reused_from=reused_from, cached_from=cached_from, error=m.error,
+            ),
         ))
-        if m is None:
-            m = _screened(spec, study, trial, space, plan, budget) or runner.measure(
-                plan, budget=budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
-            )
-    except BaseException:
-        _interrupt(study, trial, space.n_params)
-        raise
-    if reused_from is None and cached_from is None:
-        cache.store(engine, device, m, study=spec.study, trial=trial.number)
-    m = m.model_copy(update={"anchor_seconds": _anchor_seconds(study, m) if spec.timing.anchor else None})
-    _record(study, trial, m, budget)
-    return TrialResult(
-        number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
-        reused_from=reused_from, cached_from=cached_from, error=m.error,
-    )
+
+    def _claim(self, trial: optuna.Trial, plan: RematPlan) -> None:
+        """Claim ``plan`` for ``trial``, waiting while a live trial (of any study on this
+        database and device) measures it; a claim whose trial is gone is taken over."""
+        while (holder := cache.claim(
+            self.engine, self.device, plan.digest, study=self.spec.study, trial=trial.number
+        )) is not None:
+            if not self._running(*holder):
+                cache.release(self.engine, self.device, plan.digest, study=holder[0], trial=holder[1])
+                continue
+            if self.stop.wait(POLL_SECONDS):
+                raise _Stopped
+            with self.lock:
+                self._recover_if_due()
+
+    def _running(self, study: str, number: int) -> bool:
+        """Whether trial ``number`` of ``study`` is running (not finished, failed or gone)."""
+        try:
+            study_id = self.storage.get_study_id_from_name(study)
+            trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+            return self.storage.get_trial(trial_id).state == TrialState.RUNNING
+        except KeyError:
+            return False
+
+    def _recover_if_due(self) -> None:
+        """Fail dead trials (and requeue their plans) once every heartbeat interval; the lock held."""
+        if time.monotonic() - self.recovered >= self.spec.heartbeat.interval:
+            recover(self.study, n_params=self.space.n_params, grace=self.spec.heartbeat.grace)
+            self.recovered = time.monotonic()
+
+    def _interrupt(self, trial: optuna.Trial) -> None:
+        """Fail this process's ``trial`` as interrupted, and queue its plan again."""
+        self.heartbeats.remove(trial._trial_id)
+        fail_and_requeue(self.study, self._frozen(trial), n_params=self.space.n_params)
+
+    def _frozen(self, trial: optuna.Trial) -> optuna.trial.FrozenTrial:
+        return self.storage.get_trial(trial._trial_id)
 
 
 def _screened(
@@ -273,7 +430,7 @@ def _open_study(
         queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]
         for params in space.presets():
             if params not in queued:
-                _enqueue(study, params)
+                enqueue(study, params)
         study.set_user_attr(INITIALIZED_ATTR, True)
     for key, value in identity.items():
         if study.user_attrs.get(key) != value:
@@ -305,51 +462,6 @@ def _open_study(
     return study
 
 
-def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.RDBStorage, n_params: int) -> None:
-    """Fail trials whose search process is gone, and queue their plans again."""
-    study_id = storage.get_study_id_from_name(study.study_name)
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _orphaned(trial):
-            # Another process's trial: no optuna.Trial here to write through, so the storage's.
-            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-            storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
-            _fail_and_requeue(study, trial, n_params)
-
-
-def _interrupt(study: optuna.Study, trial: optuna.Trial, n_params: int) -> None:
-    """Fail this process's ``trial`` as interrupted, and queue its plan again."""
-    trial.set_user_attr(FAILURE_ATTR, INTERRUPTED)
-    _fail_and_requeue(study, trial, n_params)
-
-
-def _fail_and_requeue(
-    study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial, n_params: int
-) -> None:
-    """Fail ``trial``; queue its plan again if it had chosen all ``n_params``."""
-    study.tell(trial.number, state=TrialState.FAIL)
-    params = trial.user_attrs.get(QUEUED_ATTR) or trial.params  # a queued preset, or sampled
-    if len(params) == n_params:
-        _enqueue(study, params)
-
-
-def _enqueue(study: optuna.Study, params: dict) -> None:
-    """Queue a plan's parameters, recorded as queued (:data:`store.QUEUED_ATTR`)."""
-    study.enqueue_trial(params, user_attrs={QUEUED_ATTR: params})
-
-
-def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
-    attrs = trial.user_attrs
-    if HOST_ATTR not in attrs or PID_ATTR not in attrs:  # killed between ask() and its writes
-        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
-        return time.time() - started > 60
-    if attrs[HOST_ATTR] != socket.gethostname():
-        return False  # another host's search: it may be alive
-    try:
-        return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _plan_of(study: optuna.Study, number: int) -> str | None:
     """The plan digest of trial ``number`` of ``study`` (None if it has none, or no such trial)."""
     for t in study.get_trials(deepcopy=False):
@@ -364,7 +476,7 @@ def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) ->
     had already queued run first."""
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     spec = spec_of_study(study, storage, trials=finished_trials(study) + waiting + 1, confirm={"top": 0})
-    _enqueue(study, params)  # after the plans already queued, which run first
+    enqueue(study, params)  # after the plans already queued, which run first
     return run(spec)
 
 

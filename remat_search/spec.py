@@ -284,6 +284,26 @@ class ConfirmConfig(_Frozen):
         return top
 
 
+class HeartbeatConfig(_Frozen):
+    """How a study shared by several processes or hosts finds a trial whose process died:
+    each search records a heartbeat of its running trials every ``interval`` seconds, and a
+    running trial with none for ``grace`` seconds is failed and its plan queued again (by
+    any search of the study, on any host). A trial of a process that died on the same host
+    is found at once, by its process id."""
+
+    interval: PositiveInt = 10
+    grace: PositiveInt = 60
+
+    @model_validator(mode="after")
+    def _grace_after_beats(self) -> HeartbeatConfig:
+        if self.grace <= self.interval:
+            raise ValueError(f"heartbeat.grace: must be more than heartbeat.interval ({self.interval} s)")
+        return self
+
+
+Workers = PositiveInt | Literal["auto"]
+
+
 class SearchSpec(_Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
 
@@ -314,6 +334,11 @@ class SearchSpec(_Frozen):
     """Record a plan over budget without compiling it when the study's cost model (see
     ``planner``) predicts a peak above ``prescreen × budget`` even allowing for the largest
     over-prediction it has made on the study's mixed plans (null: compile every plan)."""
+    workers: Workers = 1
+    """Worker processes measuring candidates at once (``--workers`` wins). ``auto``: one per
+    two cores, as host memory allows (see ``search.resolve_workers``). Compiles run in
+    parallel; on a local accelerator plans run and are timed one at a time."""
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
     compilation_cache: str | None = "jax-cache"
     """Directory of JAX's persistent compilation cache for the worker, relative to
     :func:`storage_home` unless absolute (null: none): a plan compiled before, in any study,
@@ -361,8 +386,11 @@ def _matching(value: str, pattern: str, expected: str) -> str:
     return value
 
 
-def load_spec(path: str | os.PathLike[str], *, storage: str | None = None) -> SearchSpec:
-    """Read and check a YAML spec; ``storage`` (from ``--storage`` or the environment) wins."""
+def load_spec(
+    path: str | os.PathLike[str], *, storage: str | None = None, workers: int | str | None = None
+) -> SearchSpec:
+    """Read and check a YAML spec; ``storage`` (from ``--storage`` or the environment) and
+    ``workers`` (``--workers``) win over the spec's."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -378,6 +406,8 @@ def load_spec(path: str | os.PathLike[str], *, storage: str | None = None) -> Se
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage:
         data["storage"] = storage
+    if workers is not None:
+        data["workers"] = workers
     return parse_spec(data)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import optuna
 import sqlalchemy
@@ -73,11 +74,15 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
         return engine_kwargs
 
 
-def open_storage(url: str | None = None, *, create: bool = False) -> optuna.storages.RDBStorage:
+def open_storage(
+    url: str | None = None, *, create: bool = False, heartbeat: dict[str, Any] | None = None
+) -> optuna.storages.RDBStorage:
     """Open the storage at ``url`` (see :func:`check_storage`).
 
     With ``create=True`` optuna's tables are made if missing and SQLite is put in WAL mode;
-    without it nothing is written, so queries are safe on any database.
+    without it nothing is written, so queries are safe on any database. ``heartbeat`` holds
+    optuna's heartbeat options (``heartbeat_interval``, ``grace_period``,
+    ``heartbeat_stale_trial_callback``: see ``liveness.py``).
     """
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
@@ -87,9 +92,11 @@ def open_storage(url: str | None = None, *, create: bool = False) -> optuna.stor
     with translate_errors(url):
         for attempt in range(3):
             try:
-                storage = optuna.storages.RDBStorage(
-                    url, engine_kwargs=engine_kwargs, skip_table_creation=not create
-                )
+                with warnings.catch_warnings():  # heartbeats are "experimental" since optuna 2.9
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    storage = optuna.storages.RDBStorage(
+                        url, engine_kwargs=engine_kwargs, skip_table_creation=not create, **(heartbeat or {})
+                    )
                 break
             except sqlalchemy.exc.IntegrityError:  # another process made the tables just now
                 if attempt == 2:

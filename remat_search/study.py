@@ -7,18 +7,20 @@ The orchestration that the search, confirmation and the planner share, below all
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
 import optuna
+import psutil
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import SpecError, StorageError
+from remat_search.liveness import counts
 from remat_search.results import TrialResult
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.spec import SearchSpec, parse_spec, storage_home
-from remat_search.store import FAILURE_ATTR, INTERRUPTED
 from remat_search.units import format_bytes
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.
@@ -104,11 +106,26 @@ def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
 
 
 def finished_trials(study: optuna.Study) -> int:
-    """Trials that count towards ``spec.trials``: complete, screened out (pruned), or failed
-    by the runner."""
+    """Trials that count towards ``spec.trials`` (:func:`liveness.counts`): complete, screened
+    out (pruned), or failed by the runner."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-    trials = study.get_trials(deepcopy=False, states=states)
-    return sum(1 for t in trials if t.user_attrs.get(FAILURE_ATTR) != INTERRUPTED)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if counts(t))
+
+
+WORKER_HOST_MEMORY = 4 * 2**30
+"""Host memory ``workers: auto`` allows each worker: a TPU compile of a ~1B model holds several GiB."""
+CORES_PER_WORKER = 2
+"""Cores ``workers: auto`` allows each worker: one v5e compile of the write-up model kept 1.7 busy."""
+
+
+def resolve_workers(workers: int | str) -> int:
+    """The number of worker processes for ``spec.workers``: itself, or for ``auto`` one per
+    :data:`CORES_PER_WORKER` cores this process may use, as the host's available memory allows
+    (:data:`WORKER_HOST_MEMORY` each); at least one."""
+    if workers != "auto":
+        return int(workers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores // CORES_PER_WORKER, psutil.virtual_memory().available // WORKER_HOST_MEMORY))
 
 
 def changed_settings(stored: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

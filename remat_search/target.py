@@ -15,10 +15,16 @@ kinds apart; ``tests/test_targets.py`` runs every class under the same contract.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import importlib.metadata
 import math
 import re
+import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -85,6 +91,15 @@ class Target(ABC):
     def platform(self) -> str:
         """``cpu``, ``gpu`` or ``tpu``: what the compiler compiles for."""
         return str(self.devices()[0].platform)
+
+    def device_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a plan holds the devices (its training state placed, stepped, timed): one
+        plan at a time on this host's devices, whichever worker or search runs it, so that no
+        two plans are timed at once or have their states on a device together. A lock file
+        (``flock``) that the kernel releases when its holder dies."""
+        ids = ",".join(str(d.id) for d in self.devices())
+        digest = hashlib.sha256(f"{self.platform}:{ids}".encode()).hexdigest()[:12]
+        return _file_lock(Path(tempfile.gettempdir()) / f"remat-search-device-{self.platform}-{digest}.lock")
 
     def compiler_version(self) -> str | None:
         """The TPU compiler's (libtpu's) version where plans are compiled for TPU, else None:
@@ -249,3 +264,14 @@ def hbm_of(error: BaseException | None) -> int:
 def roofline_seconds(cost: dict[str, float], chip: Chip) -> float:
     """Lower bound of one step on ``chip``: the slower of its FLOPs and its HBM traffic."""
     return max(cost.get("flops", 0.0) / chip.bf16_flops, cost.get("bytes accessed", 0.0) / chip.hbm_bytes_per_second)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (made if missing), waiting for it as long as it takes."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"executables"},
     {"runner"},
     {"store"},
-    {"cache", "results"},
+    {"cache", "results", "liveness"},
     {"study"},
     {"planner"},
     {"confirm"},

@@ -1,0 +1,179 @@
+"""Which running trials are alive: heartbeats for a study shared by several processes or hosts,
+and the recovery of trials whose process died.
+
+A search marks each trial it runs with its host, process id and the process's start time,
+and records a heartbeat of it in optuna's ``trial_heartbeats`` table every
+``heartbeat.interval`` seconds (:class:`Heartbeats`). A running trial is dead when:
+
+- its process is gone from this host (found at once, by process id: a search restarted after
+  ``kill -9`` takes its trials back without waiting), or
+- it has had no heartbeat for ``heartbeat.grace`` seconds (any host: optuna's own
+  :func:`optuna.storages.fail_stale_trials`, which process ids cannot do across hosts), or
+- it was asked for but never marked or beaten, for more than the grace period (a process
+  killed between optuna's ``ask`` and its first write).
+
+:func:`recover` fails each dead trial once, whichever process finds it first, and queues its
+plan again. A failed trial counts towards ``spec.trials`` only where the runner failed it
+(it has a reason): one that died is not counted, and its plan is measured again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import warnings
+from typing import Self
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+from remat_search.spec import HeartbeatConfig
+from remat_search.store import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR
+
+logger = logging.getLogger("remat_search")
+STARTED_ATTR = "pid_started"
+"""The trial's search process's start time (``psutil``): a reused process id is another process."""
+
+
+def mark(trial: optuna.Trial) -> None:
+    """Mark ``trial`` as run by this process on this host (see :func:`orphaned`)."""
+    me = psutil.Process()
+    trial.set_user_attr(HOST_ATTR, socket.gethostname())
+    trial.set_user_attr(PID_ATTR, me.pid)
+    trial.set_user_attr(STARTED_ATTR, me.create_time())
+
+
+def orphaned(trial: FrozenTrial, *, grace: float) -> bool:
+    """Whether running ``trial`` is certainly dead without asking its heartbeat: its process
+    is gone from this host, or it was never marked and is older than ``grace`` seconds."""
+    attrs = trial.user_attrs
+    if HOST_ATTR not in attrs or PID_ATTR not in attrs:  # killed between ask() and its writes
+        started = trial.datetime_start or datetime.datetime.now()
+        return (datetime.datetime.now() - started).total_seconds() > grace
+    if attrs[HOST_ATTR] != socket.gethostname():
+        return False  # another host's search: its heartbeat tells
+    try:
+        return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def ask(study: optuna.Study) -> optuna.Trial:
+    """``study.ask()``, without optuna's warning that heartbeats are meant for
+    ``Study.optimize``: this search beats for its own trials (:class:`Heartbeats`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        return study.ask()
+
+
+def recover(study: optuna.Study, *, n_params: int, grace: float) -> int:
+    """Fail the study's dead running trials (see the module) and queue their plans again;
+    return how many this call failed. Safe to call from several processes at once: a trial is
+    failed, and its plan queued, by one of them."""
+    failed = 0
+    with warnings.catch_warnings():  # "experimental" since optuna 2.9, and unchanged since
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)  # heartbeats: requeued by the storage's callback
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if orphaned(trial, grace=grace):
+            failed += fail_and_requeue(study, trial, n_params=n_params)
+    return failed
+
+
+def fail_and_requeue(study: optuna.Study, trial: FrozenTrial, *, n_params: int) -> bool:
+    """Fail running ``trial`` as interrupted and queue its plan again (if it had chosen all
+    ``n_params``); False where another process finished or failed it first."""
+    storage = study._storage
+    trial_id = trial._trial_id
+    try:
+        storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
+        if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+            return False
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    requeue(study, trial, n_params=n_params)
+    return True
+
+
+def requeue(study: optuna.Study, trial: FrozenTrial, *, n_params: int) -> None:
+    """Queue ``trial``'s plan again where it had chosen all ``n_params`` (a queued preset's
+    parameters, or those sampled)."""
+    params = trial.user_attrs.get(QUEUED_ATTR) or trial.params
+    if len(params) == n_params:
+        enqueue(study, params)
+
+
+def enqueue(study: optuna.Study, params: dict) -> None:
+    """Queue a plan's parameters, recorded as queued (:data:`store.QUEUED_ATTR`)."""
+    study.enqueue_trial(params, user_attrs={QUEUED_ATTR: params})
+
+
+def stale_callback(n_params: int):
+    """The storage's callback for a trial that optuna failed for its stale heartbeat: queue its
+    plan again (the trial is failed already, and counts for nothing: it has no reason)."""
+
+    def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+        logger.warning("trial %d lost its heartbeat (its process or host died): its plan is queued again", trial.number)
+        requeue(study, trial, n_params=n_params)
+
+    return requeue_stale
+
+
+def counts(trial: FrozenTrial) -> bool:
+    """Whether ``trial`` counts towards ``spec.trials``: complete, screened out (pruned), or
+    failed by the runner, with a reason. A trial that died or was interrupted does not."""
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    reason = trial.user_attrs.get(FAILURE_ATTR)
+    return trial.state == TrialState.FAIL and reason is not None and reason != INTERRUPTED
+
+
+class Heartbeats:
+    """Records a heartbeat of every trial this process runs, every ``config.interval`` seconds,
+    from a thread of its own (a worker busy compiling for minutes does not stop it)."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, config: HeartbeatConfig) -> None:
+        self._storage, self._interval = storage, config.interval
+        self._trials: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="remat-search-heartbeat", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def add(self, trial_id: int) -> None:
+        """Beat for ``trial_id`` from now on (one heartbeat now)."""
+        self._storage.record_heartbeat(trial_id)
+        with self._lock:
+            self._trials.add(trial_id)
+
+    def remove(self, trial_id: int) -> None:
+        with self._lock:
+            self._trials.discard(trial_id)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                trials = sorted(self._trials)
+            for trial_id in trials:
+                try:
+                    self._storage.record_heartbeat(trial_id)
+                except Exception as e:  # noqa: BLE001 - a missed beat is retried; the grace allows several
+                    logger.warning("could not record the heartbeat of a trial (%s); retrying", e)
+
+
+def heartbeat_storage_options(config: HeartbeatConfig, n_params: int) -> dict:
+    """Keyword arguments that turn on optuna's heartbeat in :class:`RDBStorage`."""
+    return {
+        "heartbeat_interval": config.interval, "grace_period": config.grace,
+        "heartbeat_stale_trial_callback": stale_callback(n_params),
+    }
