@@ -168,6 +168,12 @@ def _study(value: str) -> str:
 def run(
     spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Search spec (YAML), e.g. search_spaces/demo.yaml.")],
     storage: RunStorageOption = None,
+    workers: Annotated[str | None, typer.Option(
+        metavar="N|auto", show_default=False,
+        help="Worker processes measuring plans at once (default: the spec's workers, else 1). auto: one "
+             "per two cores, as host memory allows. Compiles run in parallel; plans run on a local device "
+             "one at a time.",
+    )] = None,
 ) -> None:
     """Search the spec's space; running it again resumes an interrupted study.
 
@@ -177,10 +183,16 @@ def run(
     fastest plans that fit are re-timed interleaved at the end (confirm: {top, rounds}).
     A plan measured before for this workload and device, in any study, is not compiled
     again (unless it was only compiled, over an earlier budget, and now fits).
+
+    Several hosts share a study by running the same command against one PostgreSQL URL
+    (--storage): each measures plans the others are not measuring, and a trial whose host
+    died is taken back after the heartbeat's grace period.
     """
     from remat_search.spec import load_spec
 
-    loaded = load_spec(spec, storage=storage)
+    if workers is not None and workers != "auto" and not (workers.isdigit() and int(workers) > 0):
+        raise SpecError(f"--workers: expected a positive number of worker processes or auto, got {workers!r}")
+    loaded = load_spec(spec, storage=storage, workers=workers)
     if loaded.budget is not None:
         output.console.print(output.budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
@@ -189,6 +201,8 @@ def run(
         again = ["remat-search", "run", str(spec)]
         if storage and storage != os.environ.get(STORAGE_ENV):
             again += ["--storage", storage]
+        if workers:
+            again += ["--workers", workers]
         output.errors.print(
             f"interrupted: finished trials are kept, and the same command resumes the study: {shlex.join(again)}",
             markup=False, highlight=False, soft_wrap=True,

@@ -183,8 +183,9 @@ class _Workers:
     def run(self, runners: list[Runner]) -> None:
         """Measure with every runner until the study is done; raise the first thread's error,
         or KeyboardInterrupt, once every thread has put its trial back."""
+        started = threading.Barrier(len(runners))
         threads = [
-            threading.Thread(target=self._work, args=(runner,), name=f"remat-search-worker-{i}", daemon=True)
+            threading.Thread(target=self._work, args=(runner, started), name=f"remat-search-worker-{i}", daemon=True)
             for i, runner in enumerate(runners)
         ]
         with self.heartbeats:
@@ -196,6 +197,7 @@ class _Workers:
                         thread.join(0.2)
             except BaseException:  # Ctrl-C: stop the workers; each thread requeues its trial
                 self.stop.set()
+                started.abort()
                 for runner in runners:
                     runner.kill()
                 for thread in threads:
@@ -204,8 +206,12 @@ class _Workers:
         if self.errors:
             raise self.errors[0]
 
-    def _work(self, runner: Runner) -> None:
+    def _work(self, runner: Runner, started: threading.Barrier) -> None:
         try:
+            try:
+                runner.describe()  # every worker starts at once, and all begin together
+            finally:
+                started.wait()
             while not self.stop.is_set():
                 asked = self.next()
                 if asked is None:
@@ -214,7 +220,7 @@ class _Workers:
                     self.stop.wait(POLL_SECONDS)
                     continue
                 self.measure(asked, runner)
-        except _Stopped:
+        except (_Stopped, threading.BrokenBarrierError):
             pass
         except BaseException as e:  # noqa: BLE001 - raised again by run(), in the main thread
             self.errors.append(e)

@@ -129,6 +129,28 @@ class MiscomputingMlp(MlpWorkload):
         return lambda params, batch: scale * inner(params, batch)
 
 
+class SlowCompileMlp(MlpWorkload):
+    """An MLP whose loss sleeps ``seconds`` each time it is traced: every compile of a plan takes
+    at least that long, as a big model's does, so compiles in flight at once can be seen."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(TINY_MLP)
+        self.seconds = seconds
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+
+        def slow(params, batch):  # type: ignore[no-untyped-def]
+            time.sleep(self.seconds)  # at trace time only: the compiled step does not sleep
+            return inner(params, batch)
+
+        return slow
+
+
+def slow_compile(seconds: float = 1.0) -> SlowCompileMlp:
+    return SlowCompileMlp(seconds)
+
+
 class DelayedMlp(MlpWorkload):
     """An MLP whose step, when it runs, sleeps the milliseconds that the JSON file ``delays``
     gives for its plan's summary (``{"none×3": 40}``) at that moment, plus those ``"*"``
