@@ -1,0 +1,117 @@
+"""Chaos: SIGKILL a search, or one of its workers, at random moments, again and again, then let
+it finish; and check what is left. The suite runs a short version (tests/test_chaos.py),
+``benchmarks/scale.py`` the long one (at least 30 kills).
+
+What must hold afterwards: exactly the spec's trials finished (complete, screened out, or
+failed by the runner with a reason), none left running, every trial that was complete at any
+kill still there unchanged, every complete trial's plan measurable again, SQLite's integrity
+check ok, and no worker process left behind by a killed search.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+from optuna.trial import TrialState
+
+from remat_search.liveness import counts
+from remat_search.plan import RematPlan
+from remat_search.store import MEASUREMENT_ATTR, PLAN_ATTR
+
+from .conftest import run_process, spec_dict, write_spec
+
+WORKLOAD = {"kind": "mlp", "layers": 3, "width": 32, "hidden": 64, "batch": 16}
+SPACE = {"layout": "per_layer", "choices": ["none", "full", "dots"]}
+
+
+def chaos(folder: Path, *, kills: int, trials: int, workers: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Run one study of ``trials`` trials with ``workers`` workers, killing the search (or one
+    of its workers) ``kills`` times at random moments, then to the end; return what was seen:
+    ``kills`` (driver, worker), ``finished``, ``running``, ``lost`` (complete trials missing or
+    changed), ``integrity``, ``orphans`` (worker processes alive after their search died),
+    ``plans`` (complete trials' plans), ``runs``."""
+    rng = random.Random(seed)
+    storage = f"sqlite:///{folder / 'chaos.db'}"
+    spec = write_spec(folder / "chaos.yaml", spec_dict(
+        storage, study="chaos", workload=WORKLOAD, space=SPACE, trials=trials, workers=workers,
+        sampler={"kind": "random", "seed": seed}, confirm={"top": 0},
+        timing={"warmup": 1, "repeats": 2, "timeout": "120s"}, heartbeat={"interval": 1, "grace": 5},
+    ))
+    seen: dict[int, tuple[Any, ...]] = {}  # complete trials at each kill: number → (state, values, measurement)
+    killed = {"driver": 0, "worker": 0}
+    workers_seen: set[int] = set()
+    runs = 0
+    while sum(killed.values()) < kills:
+        search = run_process("run", str(spec))
+        runs += 1
+        deadline = time.monotonic() + rng.uniform(1.0, 8.0)
+        while time.monotonic() < deadline and search.poll() is None:
+            workers_seen.update(c.pid for c in _children(search.pid))
+            time.sleep(0.1)
+        if search.poll() is not None:  # finished before the kill: the study is done
+            search.communicate()
+            break
+        children = _children(search.pid)
+        workers_seen.update(c.pid for c in children)
+        if children and rng.random() < 0.4:
+            rng.choice(children).kill()
+            killed["worker"] += 1
+            time.sleep(rng.uniform(0.5, 3.0))  # the search goes on without it, for a while
+            search.kill()
+            killed["driver"] += 1
+        else:
+            search.kill()
+            killed["driver"] += 1
+        search.communicate()
+        seen.update(_complete(storage))
+    final = run_process("run", str(spec))
+    log = final.communicate(timeout=900)[0]
+    runs += 1
+    trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
+    now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+    time.sleep(3)  # a worker of a killed search notices within a second or two
+    with sqlite3.connect(folder / "chaos.db") as db:
+        integrity = db.execute("PRAGMA integrity_check").fetchone()[0]
+    return {
+        "kills": killed, "runs": runs, "final_exit": final.returncode, "final_log": log,
+        "finished": sum(counts(t) for t in trials_now),
+        "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
+        "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
+        "integrity": integrity,
+        "orphans": sorted(pid for pid in workers_seen if _alive(pid)),
+        "plans": [RematPlan.model_validate_json(t.user_attrs[PLAN_ATTR]) for t in trials_now
+                  if t.state == TrialState.COMPLETE],
+        "storage": storage,
+    }
+
+
+def _complete(storage: str) -> dict[int, tuple[Any, ...]]:
+    try:
+        trials = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
+    except KeyError:  # killed before the study was made
+        return {}
+    return {t.number: _frozen(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+
+
+def _frozen(trial: optuna.trial.FrozenTrial) -> tuple[Any, ...]:
+    return trial.state, trial.values, trial.user_attrs.get(MEASUREMENT_ATTR), trial.user_attrs.get(PLAN_ATTR)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
