@@ -33,9 +33,9 @@ import optuna
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remat_search.liveness import counts  # noqa: E402
-from tests.chaos import chaos  # noqa: E402
-from tests.conftest import run_process, spec_dict, write_spec  # noqa: E402
+from remat_search.liveness import counts
+from tests.chaos import chaos
+from tests.conftest import run_process, spec_dict, write_spec
 
 COMPILE_BOUND = {  # a v5e compile of it takes tens of seconds on this 2-core host
     "kind": "transformer", "layers": 2, "d_model": 256, "heads": 4, "d_ff": 1024,
