@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"runner"},
     {"store"},
     {"cache", "results"},
+    {"stored"},
     {"study"},
     {"planner"},
     {"confirm"},
