@@ -159,7 +159,7 @@ def test_a_missing_study_lists_those_there(studies: str) -> None:
 
 def test_queries_write_nothing(studies: str) -> None:
     """A query cannot write: its SQLite connection is query-only."""
-    with open_study("reorder", studies) as stored, pytest.raises(remat_search.StorageError, match="readonly"):
+    with pytest.raises(remat_search.StorageError, match="readonly"), open_study("reorder", studies) as stored:
         stored.connection.exec_driver_sql("CREATE TABLE written (x INTEGER)")
 
 
