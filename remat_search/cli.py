@@ -208,7 +208,7 @@ def run(
             markup=False, highlight=False, soft_wrap=True,
         )
         raise typer.Exit(130) from None
-    output.console.print(output.front_table(report))
+    output.console.print(output.front_table(report.study, report.budget, report.front))
     confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: (t.seconds, t.number))
     if confirmed:
         output.console.print(output.confirmed_table(report, confirmed))
@@ -225,6 +225,8 @@ def _search(loaded: Any) -> Any:
     """Run the search of ``loaded``, telling its progress: in a terminal a bar that shows the
     trial being measured; elsewhere (CI, nohup, a pipe) a line a trial. Return its report."""
     from remat_search.search import run as run_search
+
+    _quiet_optuna()
 
     def lines(p: Any) -> list[str]:
         if p.event == "result":
@@ -276,19 +278,22 @@ def pareto(
     plot: Annotated[Path | None, typer.Option(metavar="FILE", help="Also write a PNG of time vs memory here.")] = None,
 ) -> None:
     """Show the Pareto front: no other plan is both faster and smaller."""
-    from remat_search.report import load_report, plot_report
+    from remat_search.report import plot_report
+    from remat_search.stored import open_study
 
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise SpecError("--plot: drawing needs matplotlib, which is not installed: pip install 'remat-search[plot]'")
     if plot is not None and not plot.parent.is_dir():
         raise SpecError(f"--plot: directory {str(plot.parent)!r} does not exist")
-    report = load_report(_study(study), storage)
+    with open_study(_study(study), storage) as stored:
+        report = stored.report() if plot is not None else None
+        front = list(report.front) if report is not None else stored.front()
     if as_json:
-        print(json.dumps([t.model_dump(mode="json") for t in report.front], indent=2))
+        print(json.dumps([t.model_dump(mode="json") for t in front], indent=2))
     else:
-        output.console.print(output.front_table(report))
-    if plot is not None:
-        output.errors.print(f"wrote {plot_report(report, plot)}")
+        output.console.print(output.front_table(stored.name, stored.budget, front))
+    if report is not None:
+        output.errors.print(f"wrote {plot_report(report, plot)}")  # type: ignore[arg-type]
 
 
 @app.command()
@@ -300,22 +305,22 @@ def best(
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
-    from remat_search.report import load_report
+    from remat_search.stored import open_study
 
     limit = _budget(budget)
-    report = load_report(_study(study), storage)
-    found = report.best(limit)
-    untimed = report.untimed_within(limit)
+    with open_study(_study(study), storage) as stored:
+        found = stored.best(limit)
+        untimed = stored.untimed_within(limit)
     if as_json:
         assert found.plan is not None
         print(found.plan.to_json())
     else:
-        output.console.print(output.trials_table(f"Best plan of {report.study!r} for {format_bytes(limit)}", [found], budget=limit))
+        output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
         output.console.print(output.describe_trial(found))
     if untimed:
         output.errors.print(
             f"note: {len(untimed)} plan(s) fit {format_bytes(limit)} but were never timed, being over the "
-            f"study's budget of {format_bytes(report.budget)}; a study with a larger spec budget would time them"
+            f"study's budget of {format_bytes(stored.budget)}; a study with a larger spec budget would time them"
         )
 
 
@@ -337,6 +342,7 @@ def plan(
     """
     from remat_search.search import plan_for_budget
 
+    _quiet_optuna()
     advice = plan_for_budget(_study(study), _budget(budget), storage=storage, measure=measure)
     if as_json:
         print(advice.plan.to_json())
@@ -371,6 +377,7 @@ def confirm(
     """
     from remat_search.confirm import confirm_study
 
+    _quiet_optuna()
     limit = _budget(budget) if budget is not None else None
     with _notes():
         report, confirmed = confirm_study(
@@ -400,24 +407,33 @@ def show(
     storage: StorageOption = None,
 ) -> None:
     """Every trial of a study, or one trial in full."""
-    from remat_search.report import load_report
+    from remat_search.stored import open_study
 
-    report = load_report(_study(study), storage)
+    with open_study(_study(study), storage) as stored:
+        if trial is None:
+            trials = stored.trials()
+        else:
+            found, count = stored.trial(trial), stored.count()
     if trial is None:
-        output.console.print(output.trials_table(f"Trials of {report.study!r}", report.trials, budget=report.budget))
+        output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
         return
-    matches = [t for t in report.trials if t.number == trial]
-    if not matches:
-        have = f"trials 0..{len(report.trials) - 1}" if report.trials else "no trials yet"
-        raise SpecError(f"--trial: study {report.study!r} has no trial {trial} (it has {have})")
-    output.console.print(output.describe_trial(matches[0]), highlight=False)
+    if found is None:
+        total = sum(count.values())
+        have = f"trials 0..{total - 1}" if total else "no trials yet"
+        raise SpecError(f"--trial: study {stored.name!r} has no trial {trial} (it has {have})")
+    output.console.print(output.describe_trial(found), highlight=False)
+
+
+def _quiet_optuna() -> None:
+    """optuna's own log lines off (its trial-by-trial INFO): for the commands that run optuna;
+    the queries read the tables without it."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def main() -> None:
     """Console-script entry point."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     app()
 
 

@@ -261,11 +261,12 @@ def _seconds(seconds: float | None, *, estimated: bool) -> str:
     return format_seconds(seconds) + (" (est.)" if estimated else "")
 
 
-def front_table(report: StudyReport) -> Table:
+def front_table(study: str, budget: int, front: Iterable[TrialResult]) -> Table:
+    """The Pareto front of ``study``, whose budget is ``budget``."""
     return trials_table(
-        f"Pareto front of {report.study!r} (budget {format_bytes(report.budget)}"
+        f"Pareto front of {study!r} (budget {format_bytes(budget)}"
         + ("" if _narrow() else ", peak as % of it") + ")",
-        report.front, budget=report.budget,
+        front, budget=budget,
     )
 
 

@@ -1,7 +1,8 @@
 """Reading a study back: the Pareto front, the best plan under any budget, summaries, a plot.
 
 Everything here reads storage and never writes it, so queries are cheap and safe to run
-beside a search. Every plan has one step time in all of them (``TrialResult.seconds``: its
+beside a search: straight from optuna's tables (``stored.py``), without importing optuna or
+JAX, and the best plan and the front without reading every trial. Every plan has one step time in all of them (``TrialResult.seconds``: its
 confirmed time where it was re-timed, else the search's): the front is the plans no other
 beats in both peak and that time, and the best plan for a budget is the fastest timed plan
 whose compiled peak fits it, which is on that front.
@@ -11,35 +12,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import optuna
-from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import SpecError
-from remat_search.results import StudyReport, TrialResult, study_report
-from remat_search.store import load_study, open_storage, translate_errors
+from remat_search.results import StudyReport, TrialResult
+from remat_search.stored import StoredStudy, open_studies, open_study
 from remat_search.units import parse_bytes
 
 
 def load_report(study: str, storage: str | None = None) -> StudyReport:
-    """The report of study ``study`` in ``storage`` (default storage if None)."""
-    opened = open_storage(storage)
-    with translate_errors(opened.url):
-        return study_report(load_study(study, opened))
+    """The report of study ``study`` in ``storage`` (default storage if None): every trial."""
+    with open_study(study, storage) as stored:
+        return stored.report()
 
 
 def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
     """The study's feasible Pareto front of step time vs peak memory, smallest peak first."""
-    return list(load_report(study, storage).front)
+    with open_study(study, storage) as stored:
+        return stored.front()
 
 
 def best_plan(study: str, budget: int | str, storage: str | None = None) -> TrialResult:
-    """The fastest measured plan of ``study`` whose compiled peak fits ``budget``."""
+    """The fastest measured plan of ``study`` whose compiled peak fits ``budget``
+    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial)."""
     try:
         limit = parse_bytes(budget)
     except ValueError as e:
         raise SpecError(f"budget: {e}") from None
-    return load_report(study, storage).best(limit)
+    with open_study(study, storage) as stored:
+        return stored.best(limit)
 
 
 class StudySummary(BaseModel):
@@ -59,27 +60,26 @@ class StudySummary(BaseModel):
 
 
 def list_studies(storage: str | None = None) -> list[StudySummary]:
-    """Every study in ``storage`` with its trial counts and fastest feasible step."""
-    opened = open_storage(storage)
-    with translate_errors(opened.url):
-        out = []
-        for s in optuna.get_all_study_summaries(opened, include_best_trial=False):
-            study = optuna.load_study(study_name=s.study_name, storage=opened)
-            states = [t.state for t in study.get_trials(deepcopy=False)]
-            front = [t.seconds for t in study_report(study).front]
-            device = study.user_attrs.get("device_info", {})
-            out.append(StudySummary(
-                study=s.study_name,
-                budget=int(study.user_attrs.get("budget", 0)),
-                device=f"{device.get('platform', '?')} ({device.get('device_kind', '?')})",
-                # Screened-out plans are pruned: finished, though not measured.
-                complete=states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED),
-                failed=states.count(TrialState.FAIL),
-                running=states.count(TrialState.RUNNING),
-                fastest_seconds=min(front) if front else None,
-                estimated=device.get("executes") is False,
-            ))
-        return sorted(out, key=lambda s: s.study)
+    """Every study in ``storage`` with its trial counts (by state, in SQL) and fastest timed
+    step (the front's fastest)."""
+    with open_studies(storage) as studies:
+        return [_summary(s) for s in studies]
+
+
+def _summary(study: StoredStudy) -> StudySummary:
+    states = study.count()
+    fastest = study.fastest()
+    return StudySummary(
+        study=study.name,
+        budget=study.budget,
+        device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})",
+        # Screened-out plans are pruned: finished, though not measured.
+        complete=states.get("COMPLETE", 0) + states.get("PRUNED", 0),
+        failed=states.get("FAIL", 0),
+        running=states.get("RUNNING", 0),
+        fastest_seconds=fastest.seconds if fastest else None,
+        estimated=study.device.get("executes") is False,
+    )
 
 
 def plot_report(report: StudyReport, path: str | Path) -> Path:

@@ -8,10 +8,9 @@ and ``report.py`` answers users' queries with them.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-import optuna
-from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan
@@ -30,6 +29,10 @@ from remat_search.store import (
     TrialStatus,
 )
 from remat_search.units import format_bytes
+
+if TYPE_CHECKING:  # optuna only where a caller has it open: queries read the tables (stored.py)
+    import optuna
+    from optuna.trial import FrozenTrial
 
 
 class Confirmed(BaseModel):
@@ -69,7 +72,12 @@ class Confirmed(BaseModel):
 
 def load_confirmations(study: optuna.Study) -> dict[int, Confirmed]:
     """The confirmed times stored in ``study``, by trial number."""
-    stored = study.user_attrs.get(CONFIRMATION_ATTR, {})
+    return confirmations(study.user_attrs)
+
+
+def confirmations(study_attrs: Mapping[str, Any]) -> dict[int, Confirmed]:
+    """The confirmed times among a study's user attributes, by trial number."""
+    stored = study_attrs.get(CONFIRMATION_ATTR, {})
     return {int(number): Confirmed.model_validate(c) for number, c in stored.items()}
 
 
@@ -148,31 +156,44 @@ class TrialResult(BaseModel):
 def trial_result(trial: FrozenTrial, confirmed: Confirmed | None = None) -> TrialResult:
     """Read a trial's plan, measurement and outcome from what the search stored (and its
     confirmed times, which live on the study)."""
-    attrs = trial.user_attrs
+    return result_of(trial.number, trial.state.name, trial.user_attrs, trial.params, confirmed)
+
+
+def result_of(
+    number: int, state: str, attrs: Mapping[str, Any], params: Mapping[str, object], confirmed: Confirmed | None = None
+) -> TrialResult:
+    """A trial's result from what optuna keeps of it: its number, its state's name
+    (``COMPLETE``, ``PRUNED``, ``FAIL``, ``WAITING``, ``RUNNING``), its user attributes and its
+    parameters (read only by trials stored before labels were: see :func:`_param_labels`)."""
     plan = RematPlan.model_validate_json(attrs[PLAN_ATTR]) if PLAN_ATTR in attrs else None
     measurement = (
         Measurement.model_validate_json(attrs[MEASUREMENT_ATTR]) if MEASUREMENT_ATTR in attrs else None
     )
-    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):  # pruned: screened out, over budget
+    if state in ("COMPLETE", "PRUNED"):  # pruned: screened out, over budget
         status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
-    elif trial.state == TrialState.FAIL:
+    elif state == "FAIL":
         # Failed by the runner, with its reason; else its process stopped or died (see liveness.py).
         status = "failed" if attrs.get(FAILURE_ATTR) not in (None, INTERRUPTED) else "interrupted"
-    elif trial.state == TrialState.WAITING:
+    elif state == "WAITING":
         status = "waiting"
     else:
         status = "running"
     error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
     return TrialResult(
-        number=trial.number, status=status, plan=plan, measurement=measurement,
-        labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(trial.params, plan),
+        number=number, status=status, plan=plan, measurement=measurement,
+        labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(params, plan),
         reused_from=attrs.get(REUSED_ATTR),
         cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
         error=error,
     )
 
 
-def _param_labels(params: dict[str, object], plan: RematPlan | None) -> tuple[str, ...]:
+def needs_params(attrs: Mapping[str, Any]) -> bool:
+    """Whether :func:`result_of` reads the trial's parameters (its labels are not stored)."""
+    return not attrs.get(LABELS_ATTR) and PLAN_ATTR in attrs
+
+
+def _param_labels(params: Mapping[str, object], plan: RematPlan | None) -> tuple[str, ...]:
     """Per-layer labels of a trial stored before labels were (``policy`` or ``layer_NN`` params)."""
     if plan is None:
         return ()
@@ -239,24 +260,44 @@ class StudyReport(BaseModel):
 def study_report(study: optuna.Study) -> StudyReport:
     """Build the report of an open study."""
     confirmed = load_confirmations(study)
-    trials = tuple(trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False))
+    trials = [trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False)]
+    return make_report(study.study_name, study.user_attrs, trials)
+
+
+def make_report(study: str, study_attrs: Mapping[str, Any], trials: Iterable[TrialResult]) -> StudyReport:
+    """The report of study ``study`` from its user attributes and its trials' results, in
+    trial order."""
     report = StudyReport(
-        study=study.study_name,
-        budget=int(study.user_attrs.get("budget", 0)),
-        device=study.user_attrs.get("device_info", {}),
-        trials=trials,
+        study=study,
+        budget=int(study_attrs.get("budget", 0)),
+        device=study_attrs.get("device_info", {}),
+        trials=tuple(trials),
         front=(),
     )
     return report.model_copy(update={"front": tuple(pareto(report.timed()))})
 
 
-def pareto(trials: list[TrialResult]) -> list[TrialResult]:
+class Point(Protocol):
+    """What the front is judged by: a plan's peak, its one time and its trial number."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def peak_bytes(self) -> int | float | None: ...
+    @property
+    def seconds(self) -> float | None: ...
+
+
+P = TypeVar("P", bound=Point)
+
+
+def pareto(trials: Sequence[P]) -> list[P]:
     """The plans no other plan beats in both peak and step time (each by its one time,
     :attr:`TrialResult.seconds`), least memory first. Only plans that ran or were estimated
     within the study's budget take part: never a screened-out or over-budget one."""
-    front: list[TrialResult] = []
+    front: list[P] = []
     for t in sorted(trials, key=lambda t: (t.peak_bytes, t.seconds, t.number)):
-        if not front or t.seconds < front[-1].seconds:
+        if not front or t.seconds < front[-1].seconds:  # type: ignore[operator]
             front.append(t)
     return front
 

@@ -1,7 +1,9 @@
 """Where studies live: optuna's RDB storage (SQLite by default, PostgreSQL for several hosts).
 
 This module is the one place that opens storage and translates SQLAlchemy and optuna
-storage errors into :class:`StorageError`. SQLite databases run in WAL mode with a busy
+storage errors into :class:`StorageError`. A search opens it through optuna
+(:func:`open_storage`); queries read the same tables over a plain read-only connection
+(:func:`read_only`), without importing optuna. SQLite databases run in WAL mode with a busy
 timeout so that several processes can share one file. A trial's plan and measurement are
 kept as JSON user attributes next to optuna's own values and constraints (their names are
 here); ``results.py`` reads them back.
@@ -11,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import optuna
 import sqlalchemy
 import sqlalchemy.exc
 
 from remat_search.errors import StorageError
 from remat_search.spec import HOME_ENV, STORAGE_ENV, default_storage, storage_home
+
+if TYPE_CHECKING:
+    import optuna
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
@@ -84,6 +89,8 @@ def open_storage(
     optuna's heartbeat options (``heartbeat_interval``, ``grace_period``,
     ``heartbeat_stale_trial_callback``: see ``liveness.py``).
     """
+    import optuna
+
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
     database = sqlalchemy.engine.make_url(url).database  # a valid URL: check_storage parsed it
@@ -109,6 +116,25 @@ def open_storage(
 
 
 @contextlib.contextmanager
+def read_only(url: str | None = None) -> Iterator[sqlalchemy.Connection]:
+    """A connection to the storage at ``url`` for reading it (see :func:`check_storage`: a
+    missing SQLite file is an error), without optuna: no table is made, no pragma but
+    ``query_only`` set on SQLite, so that a query cannot write even by mistake. Its errors are
+    translated (:func:`translate_errors`), the block's own too."""
+    url = resolve_url(url)
+    engine_kwargs = check_storage(url)
+    with translate_errors(url):
+        engine = sqlalchemy.create_engine(url, **engine_kwargs)
+        try:
+            with engine.connect() as connection:
+                if engine.dialect.name == "sqlite":
+                    connection.exec_driver_sql("PRAGMA query_only = ON")
+                yield connection
+        finally:
+            engine.dispose()
+
+
+@contextlib.contextmanager
 def translate_errors(url: str) -> Iterator[None]:
     """Turn SQLAlchemy and optuna storage failures into one-line :class:`StorageError`s."""
     shown = _shown(url)
@@ -131,9 +157,18 @@ def translate_errors(url: str) -> Iterator[None]:
             f"storage: {shown!r} is not a database URL; expected e.g. "
             f"sqlite:///path/to/studies.db or postgresql://user@host/db"
         ) from None
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+    except Exception as e:
+        if not isinstance(e, (sqlalchemy.exc.SQLAlchemyError, *_optuna_storage_errors())):
+            raise
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise StorageError(f"storage: cannot use {shown!r} ({reason})") from None
+
+
+def _optuna_storage_errors() -> tuple[type[Exception], ...]:
+    """optuna's storage error where optuna is loaded (where it is not, nothing raised one):
+    queries read the tables without importing it."""
+    exceptions = sys.modules.get("optuna.exceptions")
+    return (exceptions.StorageInternalError,) if exceptions is not None else ()
 
 
 # SQLAlchemy's driver name → the module it imports and what `pip install` needs to install it.
@@ -179,14 +214,19 @@ def _missing_driver(url: str, error: ModuleNotFoundError) -> str | None:
 
 def load_study(name: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """The study ``name``; a missing one is a :class:`StorageError` listing those that exist."""
+    import optuna
+
     with translate_errors(storage.url):
         try:
             return optuna.load_study(study_name=name, storage=storage)
         except KeyError:
-            known = sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
-            raise StorageError(
-                f"study: no study {name!r} in {_shown(storage.url)!r}; studies there: {known or 'none'}"
-            ) from None
+            known = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+            raise no_such_study(name, storage.url, known) from None
+
+
+def no_such_study(name: str, url: str, known: list[str]) -> StorageError:
+    """The error for a study ``name`` that the storage at ``url`` lacks: it lists ``known``."""
+    return StorageError(f"study: no study {name!r} in {_shown(url)!r}; studies there: {sorted(known) or 'none'}")
 
 
 def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> None:

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"runner"},
     {"store"},
     {"cache", "results", "liveness"},
+    {"stored"},
     {"study"},
     {"planner"},
     {"confirm"},

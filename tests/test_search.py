@@ -280,27 +280,3 @@ def test_a_failed_confirmation_keeps_the_search_and_fails_the_run(tmp_path: Path
     result = cli("confirm", "--study", "tiny", "--storage", storage_url, "--rounds", "2")
     assert result.exit_code == 3, result.stdout + result.stderr
     assert result.stderr.startswith("error: confirm: re-timing timed out") and result.stderr.count("\n") == 1
-
-
-@pytest.mark.parametrize(
-    "args",
-    [["--help"], ["studies"], ["best", "--study", "tiny", "--budget", "1GiB"], ["pareto", "--study", "tiny"],
-     ["show", "--study", "tiny"], ["show", "--study", "tiny", "--trial", "0"]],
-    ids=lambda a: " ".join(a[:1]),
-)
-def test_queries_import_no_jax(finished, args: list[str]) -> None:  # type: ignore[no-untyped-def]
-    """Reading a study needs no JAX (importing it costs most of a second): the query commands
-    answer from storage alone."""
-    import subprocess
-    import sys
-
-    storage, _, _ = finished
-    code = (
-        "import sys\nfrom remat_search.cli import main\n"
-        f"sys.argv = ['remat-search', *{args!r}] + ([] if {args!r} == ['--help'] else ['--storage', {storage!r}])\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "print('imported jax' if 'jax' in sys.modules else 'no jax', file=sys.stderr)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().endswith("no jax"), done.stderr
