@@ -69,8 +69,14 @@ class Cached(NamedTuple):
 
 
 def create_table(engine: sa.Engine) -> None:
-    """Make the cache table if it is missing (optuna's tables are left alone)."""
-    metadata.create_all(engine, tables=[measurements])
+    """Make the cache table if it is missing (optuna's tables are left alone). Searches that
+    start at once may race to make it: PostgreSQL refuses all but the first, which is fine."""
+    try:
+        metadata.create_all(engine, tables=[measurements])
+    except (sa.exc.ProgrammingError, sa.exc.IntegrityError):  # made by another process just now
+        with engine.connect() as connection:
+            if not sa.inspect(connection).has_table(measurements.name):
+                raise
 
 
 def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:

@@ -95,8 +95,10 @@ def test_no_worker_outlives_a_search_killed_with_sigkill(tmp_path: Path, storage
     children = psutil.Process(search.pid).children(recursive=True)
     assert any("multiprocessing" in " ".join(c.cmdline()) for c in children), children  # the spawned worker
     search.kill()
-    search.communicate()
     killed = time.monotonic()
+    search.wait()  # not its output: the worker shares the pipe, so reading waits for the worker too
     while any(map(_alive, children)) and time.monotonic() < killed + 10:
         time.sleep(0.05)
     assert not [c for c in children if _alive(c)]
+    print(f"workers gone {time.monotonic() - killed:.2f} s after the search was killed")
+    search.communicate(timeout=10)
