@@ -73,10 +73,8 @@ def create_table(engine: sa.Engine) -> None:
     start at once may race to make it: PostgreSQL refuses all but the first, which is fine."""
     try:
         metadata.create_all(engine, tables=[measurements])
-    except (sa.exc.ProgrammingError, sa.exc.IntegrityError):  # made by another process just now
-        with engine.connect() as connection:
-            if not sa.inspect(connection).has_table(measurements.name):
-                raise
+    except (sa.exc.ProgrammingError, sa.exc.IntegrityError):  # made by another process just now:
+        metadata.create_all(engine, tables=[measurements])  # it is there now (checked first)
 
 
 def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:
