@@ -83,8 +83,12 @@ class Cached(NamedTuple):
 
 
 def create_table(engine: sa.Engine) -> None:
-    """Make the cache's tables if they are missing (optuna's tables are left alone)."""
-    metadata.create_all(engine, tables=[measurements, claims])
+    """Make the cache's tables if they are missing (optuna's tables are left alone). Searches
+    that start at once may race to make them: the database refuses all but the first, which is fine."""
+    try:
+        metadata.create_all(engine, tables=[measurements, claims])
+    except (sa.exc.ProgrammingError, sa.exc.IntegrityError, sa.exc.OperationalError):  # made by another just now:
+        metadata.create_all(engine, tables=[measurements, claims])  # it is there now (checked first)
 
 
 def claim(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: str, trial: int) -> tuple[str, int] | None:

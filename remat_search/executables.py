@@ -206,8 +206,10 @@ def _run(
     else:
         inputs, first = first_step(build.executable, inputs)
         abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
-        seen.update(grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full")
-        if not rel_error <= tolerance:
+        seen.update(
+            grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full", first_loss=first.loss,
+        )
+        if not (rel_error <= tolerance and math.isfinite(first.loss)):
             return RawMeasurement(**seen)  # failed: not timed
         warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
 
@@ -330,13 +332,16 @@ def compiler_options(cpu: bool) -> dict[str, str]:
 def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
     """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
     arrays: gradients, or what a plan's first step did (state change and loss) against the
-    reference's."""
+    reference's. A NaN anywhere in either makes both NaN, which fails any tolerance (Python's
+    ``max`` would drop it)."""
     import jax
 
     abs_error = rel_error = 0.0
     for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(reference), strict=True):
         diff = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
         scale = float(np.max(np.abs(np.asarray(r, np.float64))))
+        if math.isnan(diff):
+            return math.nan, math.nan
         abs_error = max(abs_error, diff)
         rel_error = max(rel_error, diff / scale if scale > 0 else diff)
     return abs_error, rel_error

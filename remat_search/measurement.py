@@ -114,6 +114,9 @@ class RawMeasurement(BaseModel):
     between rounds."""
     loss: float | None = None
     """The loss after the last timed step (not finite: the plan fails)."""
+    first_loss: float | None = None
+    """The loss of the checked first step (not finite: the plan fails, whatever the check
+    says, and is not timed); None where the first step was not checked."""
     estimated_seconds: float | None = None
     """Roofline estimate of one step, for targets where nothing runs."""
     grad_max_abs_error: float | None = None
@@ -211,7 +214,8 @@ def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Mea
 
     Over budget where the compiler ran out of memory (final, whatever the budget) or the peak
     exceeds ``budget``; failed where the first step differs from the reference's by more than
-    ``gradient_tolerance``, or the loss after the timed steps is not finite; else measured.
+    ``gradient_tolerance``, or the loss of its first step or after the timed steps is not
+    finite (a non-finite first loss is named first, even where the check passed); else measured.
     ``raw`` is kept as it is. A plan that fits but never ran has no verdict (``ValueError``):
     it must be measured (see ``cache.measure_again``).
     """
@@ -220,6 +224,8 @@ def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Mea
         raise ValueError(f"plan {raw.plan_digest}: never compiled, so nothing to judge")
     if raw.memory is None or peak > budget:
         return _verdict(raw, "over_budget")
+    if raw.first_loss is not None and not math.isfinite(raw.first_loss):
+        return _verdict(raw, "failed", f"loss is {raw.first_loss} at its first step (not finite); not timed")
     if raw.grad_rel_error is not None and not raw.grad_rel_error <= gradient_tolerance:
         return _verdict(raw, "failed", gradient_failure(raw.grad_rel_error, raw.grad_reference, gradient_tolerance))
     if raw.time_source is None:

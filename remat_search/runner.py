@@ -4,13 +4,20 @@ A compiler crash, an out-of-memory kill or a hang must not take the study down, 
 compile and run happens in a child process (``spawn``, never ``fork``, because JAX is
 threaded). The worker is reused from one candidate to the next; when it dies or runs past
 the timeout it is killed and the candidate becomes a failed :class:`Measurement` with the
-reason, and the next candidate gets a fresh worker. With ``REMAT_SEARCH_DEBUG`` set, a
-candidate that raises in the worker carries the worker's own traceback in its error, and the
-search prints it on stderr.
+reason, and the next candidate gets a fresh worker. Every reason is one line: a compiler
+error, an exception in the user's step (at trace time or, from a callback, as it runs), a
+timeout, a signal (a segfault; SIGKILL, which is how the kernel's OOM killer ends a process), or
+host memory past ``worker_memory``, which the parent watches (the worker's resident bytes; an
+address-space rlimit would not do: XLA reserves gigabytes of address space it never touches).
+The worker exits by itself within :data:`PARENT_POLL_SECONDS` of its parent's death, so no
+worker outlives the search that started it, however that search ends. With
+``REMAT_SEARCH_DEBUG`` set, a candidate that raises in the worker carries the worker's own
+traceback in its error (after its first line), and the search prints it on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -22,6 +29,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Self
 
+import psutil
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
@@ -30,8 +38,14 @@ from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
 from remat_search.plan import RematPlan
 from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
 from remat_search.target import target_of
+from remat_search.units import format_bytes
 
 STARTUP_TIMEOUT = 300.0
+WATCH_SECONDS = 0.05
+"""How often the parent reads the worker's resident memory while it waits (``worker_memory``)."""
+PARENT_POLL_SECONDS = 0.25
+"""How often the worker checks that its parent, the search, is still alive."""
+MAX_REASON_CHARS = 400
 DEBUG_ENV = "REMAT_SEARCH_DEBUG"
 """Set (to anything), the worker sends its own traceback with every failure."""
 
@@ -76,6 +90,7 @@ class Runner:
         workload: WorkloadConfig,
         *,
         timeout: float,
+        memory_limit: int | None = None,
         target: TargetConfig = "local",
         mesh: dict[str, int] | None = None,
         compilation_cache: str | None = None,
@@ -84,6 +99,7 @@ class Runner:
         self._where = (target, mesh)
         self._compilation_cache = compilation_cache
         self._timeout = timeout
+        self._memory_limit = memory_limit
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._info: DeviceInfo | None = None
@@ -107,12 +123,9 @@ class Runner:
         self._ensure_worker()
         assert self._conn is not None and self._process is not None
         self._conn.send(("measure", plan.to_json(), budget, timing, gradient_tolerance))
-        if not self._conn.poll(self._timeout):
-            self.close()
-            return Measurement(
-                status="failed", plan_digest=plan.digest,
-                error=f"timed out after {self._timeout:g} s (timing.timeout); worker killed",
-            )
+        stopped = self._wait(self._timeout)
+        if stopped is not None:
+            return Measurement(status="failed", plan_digest=plan.digest, error=stopped)
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -136,9 +149,9 @@ class Runner:
         self._ensure_worker()
         assert self._conn is not None
         self._conn.send(("retime", [p.to_json() for p in plans], warmup, rounds, budget))
-        if not self._conn.poll(self._timeout * len(plans)):
-            self.close()
-            raise RematSearchError(f"confirm: re-timing timed out after {self._timeout * len(plans):g} s; worker killed")
+        stopped = self._wait(self._timeout * len(plans))
+        if stopped is not None:
+            raise RematSearchError(f"confirm: re-timing {stopped}")
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -181,9 +194,9 @@ class Runner:
         self._process = process
         child_conn.close()
         self._conn = parent_conn
-        if not parent_conn.poll(STARTUP_TIMEOUT):
-            self.close()
-            raise WorkloadError(f"workload: the worker did not start within {STARTUP_TIMEOUT:g} s")
+        stopped = self._wait(STARTUP_TIMEOUT, limit=None)
+        if stopped is not None:
+            raise WorkloadError(f"workload: the worker did not start ({stopped})")
         try:
             kind, payload = parent_conn.recv()
         except EOFError:
@@ -201,13 +214,57 @@ class Runner:
             raise WorkloadError(f"workload: the worker could not build it ({payload})")
         self._info = DeviceInfo.model_validate_json(payload)
 
+    def _wait(self, seconds: float, limit: str | None = "timing.timeout") -> str | None:
+        """Wait up to ``seconds`` (the setting ``limit``) for the worker to answer (or die);
+        None when it did. Past the time, or past ``worker_memory`` (read every
+        :data:`WATCH_SECONDS`), the worker is killed and the one-line reason returned."""
+        assert self._conn is not None and self._process is not None
+        deadline = time.monotonic() + seconds
+        watched = _Watched(self._process.pid) if self._memory_limit else None
+        while True:
+            left = deadline - time.monotonic()
+            if self._conn.poll(max(0.0, min(left, WATCH_SECONDS) if watched else left)):
+                return None
+            if watched is not None and self._memory_limit is not None:
+                used = watched.resident()
+                if used > self._memory_limit:
+                    self.close()
+                    return (
+                        f"worker exceeded its host memory limit of {format_bytes(self._memory_limit)} "
+                        f"(worker_memory): {used / 2**20:.0f} MiB resident; worker killed"
+                    )
+            if left <= 0:
+                self.close()
+                setting = f" ({limit})" if limit else ""
+                return f"timed out after {seconds:g} s{setting}; worker killed"
+
     def _death_reason(self) -> str:
         assert self._process is not None
         self._process.join(timeout=5)
         code = self._process.exitcode
+        if code == -signal.SIGKILL:
+            return "worker killed by signal SIGKILL (likely out of host memory: the kernel's OOM killer sends it)"
         if code is not None and code < 0:
             return f"worker died from signal {signal.Signals(-code).name}"
         return f"worker died (exit code {code})"
+
+
+class _Watched:
+    """The resident memory of a worker and of any processes it started."""
+
+    def __init__(self, pid: int) -> None:
+        self._process = psutil.Process(pid)
+
+    def resident(self) -> int:
+        """Resident bytes now (0 for a process gone meanwhile: its death is told otherwise)."""
+        total = 0
+        try:
+            for p in (self._process, *self._process.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+        except psutil.Error:
+            pass
+        return total
 
 
 def _serve(
@@ -303,10 +360,11 @@ def _cpu_only_host() -> bool:
 
 
 def _failure(e: BaseException, *, line: bool = True) -> str:
-    """What the worker says of an exception: its type, message and (``line``) the line that
-    raised it; with ``REMAT_SEARCH_DEBUG`` set, the worker's whole traceback after that."""
+    """What the worker says of an exception, in one line: its type, message (see
+    :func:`one_line`) and (``line``) the line that raised it; with ``REMAT_SEARCH_DEBUG`` set,
+    the worker's whole traceback after that line."""
     frames = traceback.extract_tb(e.__traceback__)
-    said = f"{type(e).__name__}: {e}"
+    said = one_line(f"{type(e).__name__}: {e}")
     if line and frames:
         said += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
     if os.environ.get(DEBUG_ENV):
@@ -314,8 +372,27 @@ def _failure(e: BaseException, *, line: bool = True) -> str:
     return said
 
 
+def one_line(message: str) -> str:
+    """A failure's message as one line for tables and trial attributes. An error that carries
+    a Python traceback (XLA's, when a callback in the step raised) is told by its first line and
+    the exception the traceback ends with; other lines are dropped (``…`` says so); at most
+    :data:`MAX_REASON_CHARS` characters."""
+    lines = [text.strip() for text in message.strip().splitlines() if text.strip()]
+    if not lines:
+        return message.strip()
+    said = lines[0]
+    if len(lines) > 1:
+        marker = "Traceback (most recent call last):"
+        if marker in message:
+            said = f"{said.replace(marker, '').rstrip()} {lines[-1]}"
+        else:
+            said += " …"
+    return said if len(said) <= MAX_REASON_CHARS else said[: MAX_REASON_CHARS - 1] + "…"
+
+
 def _exit_with_parent(parent_pid: int) -> None:
-    """End the worker when the search process is gone (e.g. killed with SIGKILL)."""
+    """End the worker when the search process is gone (e.g. killed with SIGKILL): the worker
+    is reparented then, so ``getppid`` changes; checked every :data:`PARENT_POLL_SECONDS`."""
     while os.getppid() == parent_pid:
-        time.sleep(1.0)
+        time.sleep(PARENT_POLL_SECONDS)
     os._exit(1)

@@ -324,6 +324,10 @@ class SearchSpec(_Frozen):
     ``local``, no mesh (one device)."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
+    worker_memory: Bytes | None = None
+    """Host memory (resident bytes) the worker process may use, e.g. ``8GiB`` (null: no limit).
+    The search watches it and kills a worker past it: that candidate fails ("worker exceeded
+    its host memory limit") and the next gets a fresh worker, before the host itself runs out."""
     gradient_tolerance: PositiveFloat = 1e-3
     """How far a plan's first step may differ from the reference's (full remat, on the same
     fresh inputs): max over the training state's arrays and the loss of

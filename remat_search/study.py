@@ -27,7 +27,7 @@ from remat_search.units import format_bytes
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
-SETTINGS_FIELDS = ("timing", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
+SETTINGS_FIELDS = ("timing", "worker_memory", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
 SETTINGS_ATTR = "settings"
 FIXED_SETTINGS = ("timing.anchor", "gradient_tolerance")
 """Settings a resumed search may not change: ``timing.anchor`` decides what a trial's step time
@@ -68,7 +68,8 @@ ProgressCallback = Callable[[Progress], None]
 def runner_for(spec: SearchSpec) -> Runner:
     """The worker that measures ``spec``'s plans where and as the spec says."""
     return Runner(
-        spec.workload, timeout=spec.timing.timeout, target=spec.target, mesh=spec.mesh,
+        spec.workload, timeout=spec.timing.timeout, memory_limit=spec.worker_memory, target=spec.target,
+        mesh=spec.mesh,
         # JAX makes the directory on its first write: nothing is written for a bad spec.
         compilation_cache=str(storage_home() / spec.compilation_cache) if spec.compilation_cache else None,
     )

@@ -1,12 +1,20 @@
-"""Shared helpers: tiny real workloads, spec files, the CLI run in-process or as a process."""
+"""Shared helpers: tiny real workloads, spec files, the CLI run in-process or as a process, and
+a real PostgreSQL server (:func:`postgres_url`)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import pwd
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # LLVM at -O0 for every compile of the suite, in this process and in the workers it spawns:
 # XLA:CPU compiles the tiny models about twice as fast, the memory figures (buffer
@@ -81,3 +89,92 @@ def run_process(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
         [sys.executable, "-m", "remat_search.cli", *args], cwd=REPO, env=env, text=True,
         **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs},
     )
+
+
+def _postgres_bin() -> Path | None:
+    """The folder of PostgreSQL's server programs (``initdb``, ``pg_ctl``): on PATH, else
+    Debian's /usr/lib/postgresql/VERSION/bin (the newest), else None."""
+    on_path = shutil.which("initdb")
+    if on_path:
+        return Path(on_path).resolve().parent  # a link to the real folder, with pg_ctl beside it
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]))
+    return found[-1].parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL server for the session: ``initdb`` in a temporary folder, on
+    127.0.0.1 at a free port (its socket in that folder), trust authentication for the
+    superuser ``postgres``; stopped and deleted at the end. Yields its URL without a database
+    (``postgresql+psycopg://postgres@127.0.0.1:PORT``): see :func:`postgres_url`.
+
+    As root, the server runs as the ``postgres`` user (it refuses root). Where no server can be
+    started (no binaries, no psycopg, a failed start) the test is skipped with the reason, except
+    under CI (``$CI`` set, as ``.ci/run`` does), where it fails: CI must run it."""
+
+    def unavailable(reason: str) -> NoReturn:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL tests cannot run under CI: {reason}", pytrace=False)
+        pytest.skip(f"no PostgreSQL server: {reason}")
+
+    if importlib.util.find_spec("psycopg") is None:
+        unavailable("the psycopg driver is not installed (pip install -e '.[postgres]')")
+    bindir = _postgres_bin()
+    if bindir is None:
+        unavailable("initdb not found on PATH or in /usr/lib/postgresql/*/bin (apt-get install postgresql)")
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            unavailable("running as root, and runuser is missing to start the server as the postgres user")
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            unavailable("running as root, and there is no postgres user to run the server")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    folder = Path(tempfile.mkdtemp(prefix="remat-search-pg-"))
+    data, sockets, log = folder / "data", folder / "sockets", folder / "server.log"
+    sockets.mkdir()
+    if as_user:
+        for path in (folder, sockets):
+            shutil.chown(path, "postgres", "postgres")
+    port = _free_port()
+
+    def run(*command: str) -> None:
+        done = subprocess.run([*as_user, *command], capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip().splitlines() or [f"exit code {done.returncode}"]
+            log_tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+            raise RuntimeError(f"{Path(command[0]).name}: {' / '.join([said[-1], *log_tail])}")
+
+    try:
+        run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8")
+        options = f"-h 127.0.0.1 -p {port} -k {sockets} -c fsync=off -c max_connections=200"
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        unavailable(f"the server did not start ({e})")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
+    """A new, empty database on the session's PostgreSQL server, for one test: its URL."""
+    import psycopg
+
+    name = "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:50]
+    port = postgres_server.rpartition(":")[2]
+    with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres", autocommit=True) as db:
+        db.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        db.execute(f'CREATE DATABASE "{name}"')
+    return f"{postgres_server}/{name}"

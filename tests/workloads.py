@@ -2,19 +2,22 @@
 
 They are real JAX programs; what they add is observable behaviour: a record of every
 execution (to prove over-budget plans never run), of every lowering and trace (to prove no
-plan is compiled twice), a loss that raises, one that hangs, one that a plan changes.
+plan is compiled twice), a loss that raises, one that hangs, one that a plan changes, and
+plans that fail in every way a candidate can (:class:`FaultyMlp`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from remat_search.mlp import MlpWorkload
 from remat_search.plan import RematPlan
@@ -173,6 +176,69 @@ class DelayedMlp(MlpWorkload):
             return inner(state, batch)
 
         return jax.jit(delayed_step, donate_argnums=0)
+
+
+FAULTS = ("compile", "raise_trace", "raise_run", "hang", "segfault", "sigkill", "hoard", "nan")
+
+
+class FaultyMlp(MlpWorkload):
+    """An MLP whose plans with a ``dots`` layer go wrong in the way ``fault`` names, and
+    whose other plans run as they should (full remat, the reference, among them):
+
+    - ``compile``: the step calls a custom call no one registered: the compiler fails;
+    - ``raise_trace``: the loss raises while it is traced (a broken model);
+    - ``raise_run``: the step raises as it runs, from a host callback (a broken input pipeline);
+    - ``hang``: the step sleeps far past any test timeout;
+    - ``segfault``: the worker sends itself SIGSEGV as the step runs (a crash in native code);
+    - ``sigkill``: the worker sends itself SIGKILL as the step runs, as the kernel's OOM killer would;
+    - ``hoard``: the step takes host memory, 32 MiB at a time up to ``hoard_bytes``, and keeps it;
+    - ``nan``: the loss is NaN; its gradients, and so the state change, are untouched.
+    """
+
+    def __init__(self, fault: str, hoard_bytes: int = 6 * 2**30) -> None:
+        super().__init__(TINY_MLP)
+        if fault not in FAULTS:
+            raise ValueError(f"fault: expected one of {FAULTS}, got {fault!r}")
+        self.fault, self.hoard_bytes = fault, hoard_bytes
+        self._hoard: list[np.ndarray] = []
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+        if not any(p.kind == "dots" for p in plan.layers):
+            return inner
+        fault = self.fault
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            if fault == "raise_trace":
+                raise RuntimeError("this model is broken")
+            value = inner(params, batch)
+            if fault == "compile":  # on the batch, which is not differentiated: no JVP rule needed
+                x = batch["x"]
+                return value + jax.ffi.ffi_call("remat_search_no_such_kernel", jax.ShapeDtypeStruct((), x.dtype))(x)
+            if fault == "nan":
+                return value + jnp.nan  # a constant: the gradients are those of `value`
+            jax.debug.callback(self._misbehave)
+            return value
+
+        return loss_fn
+
+    def _misbehave(self) -> None:
+        if self.fault == "raise_run":
+            raise ValueError("the input pipeline broke")
+        if self.fault == "hang":
+            time.sleep(3600)
+        if self.fault in ("segfault", "sigkill"):
+            os.kill(os.getpid(), signal.SIGSEGV if self.fault == "segfault" else signal.SIGKILL)
+            time.sleep(60)  # the signal is delivered meanwhile
+        if self.fault == "hoard":
+            chunk = 32 * 2**20
+            while len(self._hoard) * chunk < self.hoard_bytes:
+                self._hoard.append(np.ones(chunk, np.uint8))  # written, so resident
+                time.sleep(0.005)
+
+
+def faulty(fault: str, hoard_bytes: int = 6 * 2**30) -> FaultyMlp:
+    return FaultyMlp(fault, hoard_bytes)
 
 
 def counting(log: str, scale: float = 1.0) -> CountingMlp:
