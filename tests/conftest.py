@@ -14,7 +14,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 # LLVM at -O0 for every compile of the suite, in this process and in the workers it spawns:
 # XLA:CPU compiles the tiny models about twice as fast, the memory figures (buffer
@@ -107,35 +107,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """A throwaway PostgreSQL server for the session: ``initdb`` in a temporary folder, on
-    127.0.0.1 at a free port (its socket in that folder), trust authentication for the
-    superuser ``postgres``; stopped and deleted at the end. Yields its URL without a database
-    (``postgresql+psycopg://postgres@127.0.0.1:PORT``): see :func:`postgres_url`.
+class PostgresUnavailable(Exception):
+    """No PostgreSQL server can be started here (the reason)."""
 
-    As root, the server runs as the ``postgres`` user (it refuses root). Where no server can be
-    started (no binaries, no psycopg, a failed start) the test is skipped with the reason, except
-    under CI (``$CI`` set, as ``.ci/run`` does), where it fails: CI must run it."""
 
-    def unavailable(reason: str) -> NoReturn:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL tests cannot run under CI: {reason}", pytrace=False)
-        pytest.skip(f"no PostgreSQL server: {reason}")
-
+@contextlib.contextmanager
+def throwaway_postgres() -> Iterator[str]:
+    """A throwaway PostgreSQL server: ``initdb`` in a temporary folder, on 127.0.0.1 at a free
+    port (its socket in that folder), trust authentication for the superuser ``postgres``;
+    stopped and deleted at the end. Yields its URL without a database
+    (``postgresql+psycopg://postgres@127.0.0.1:PORT``). As root, the server runs as the
+    ``postgres`` user (it refuses root). Raises :class:`PostgresUnavailable` where none can be
+    started (no binaries, no psycopg, a failed start)."""
     if importlib.util.find_spec("psycopg") is None:
-        unavailable("the psycopg driver is not installed (pip install -e '.[postgres]')")
+        raise PostgresUnavailable("the psycopg driver is not installed (pip install -e '.[postgres]')")
     bindir = _postgres_bin()
     if bindir is None:
-        unavailable("initdb not found on PATH or in /usr/lib/postgresql/*/bin (apt-get install postgresql)")
+        raise PostgresUnavailable("initdb not found on PATH or in /usr/lib/postgresql/*/bin (apt-get install postgresql)")
     as_user: list[str] = []
     if os.geteuid() == 0:
         if shutil.which("runuser") is None:
-            unavailable("running as root, and runuser is missing to start the server as the postgres user")
+            raise PostgresUnavailable("running as root, and runuser is missing to start the server as the postgres user")
         try:
             pwd.getpwnam("postgres")
         except KeyError:
-            unavailable("running as root, and there is no postgres user to run the server")
+            raise PostgresUnavailable("running as root, and there is no postgres user to run the server") from None
         as_user = ["runuser", "-u", "postgres", "--"]
     folder = Path(tempfile.mkdtemp(prefix="remat-search-pg-"))
     data, sockets, log = folder / "data", folder / "sockets", folder / "server.log"
@@ -158,7 +154,7 @@ def postgres_server() -> Iterator[str]:
         run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         shutil.rmtree(folder, ignore_errors=True)
-        unavailable(f"the server did not start ({e})")
+        raise PostgresUnavailable(f"the server did not start ({e})") from None
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
     finally:
@@ -167,14 +163,36 @@ def postgres_server() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture
-def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
-    """A new, empty database on the session's PostgreSQL server, for one test: its URL."""
+def create_database(server: str, name: str) -> str:
+    """A new, empty database ``name`` on the server at ``server`` (dropped first if it exists): its URL."""
     import psycopg
 
-    name = "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:50]
-    port = postgres_server.rpartition(":")[2]
+    port = server.rpartition(":")[2]
     with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres", autocommit=True) as db:
         db.execute(f'DROP DATABASE IF EXISTS "{name}"')
         db.execute(f'CREATE DATABASE "{name}"')
-    return f"{postgres_server}/{name}"
+    return f"{server}/{name}"
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """The session's throwaway PostgreSQL server (:func:`throwaway_postgres`): its URL without a
+    database (see :func:`postgres_url`). Where none can be started the test is skipped with the
+    reason, except under CI (``$CI`` set, as ``.ci/run`` does), where it fails: CI must run it."""
+    try:
+        server = throwaway_postgres()
+        url = server.__enter__()
+    except PostgresUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL tests cannot run under CI: {e}", pytrace=False)
+        pytest.skip(f"no PostgreSQL server: {e}")
+    try:
+        yield url
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
+    """A new, empty database on the session's PostgreSQL server, for one test: its URL."""
+    return create_database(postgres_server, "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:50])
