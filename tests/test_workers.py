@@ -133,3 +133,29 @@ def test_a_trial_of_a_dead_host_is_waited_for_then_failed_by_its_heartbeat_and_i
     # Its plan was queued again and measured.
     lost = foreign.params
     assert [t for t in trials if t.number > foreign.number and t.params == lost and PLAN_ATTR in t.user_attrs]
+
+
+def test_workers_auto_is_one_per_two_cores_within_memory_and_bad_counts_are_one_line_errors(
+    cli, tmp_path: Path, storage_url: str,  # type: ignore[no-untyped-def]
+) -> None:
+    import os
+
+    import psutil
+
+    from remat_search.study import CORES_PER_WORKER, WORKER_HOST_MEMORY, resolve_workers
+
+    assert resolve_workers(3) == 3
+    auto = resolve_workers("auto")
+    assert auto == max(1, min(len(os.sched_getaffinity(0)) // CORES_PER_WORKER,
+                              psutil.virtual_memory().available // WORKER_HOST_MEMORY))
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url))
+    for bad in ("0", "-1", "two", "1.5"):
+        result = cli("run", str(spec), "--workers", bad)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith("error: --workers: expected a positive number") and result.stderr.count("\n") == 1
+    for field, value, said in (
+        ("workers", 0, "spec.workers"), ("heartbeat", {"interval": 5, "grace": 5}, "spec.heartbeat"),
+    ):
+        result = cli("run", str(write_spec(tmp_path / "bad.yaml", spec_dict(storage_url, **{field: value}))))
+        assert result.exit_code == 2 and result.stderr.startswith(f"error: {said}"), result.stderr
+    assert not (tmp_path / "studies.db").exists()
