@@ -14,7 +14,6 @@ import logging
 import math
 import socket
 import statistics
-import time
 from collections.abc import Callable
 
 import optuna
@@ -55,9 +54,11 @@ from remat_search.store import (
     PREDICTION_ATTR,
     QUEUED_ATTR,
     REUSED_ATTR,
+    STARTED_ATTR,
     check_storage,
     load_study,
     open_storage,
+    orphaned,
     translate_errors,
 )
 from remat_search.study import (
@@ -79,7 +80,6 @@ from remat_search.workload import build_workload
 
 logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
-STARTED_ATTR = "pid_started"
 INITIALIZED_ATTR = "initialized"
 
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
@@ -309,7 +309,7 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.RDBStorag
     """Fail trials whose search process is gone, and queue their plans again."""
     study_id = storage.get_study_id_from_name(study.study_name)
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _orphaned(trial):
+        if orphaned(trial):
             # Another process's trial: no optuna.Trial here to write through, so the storage's.
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
             storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
@@ -335,19 +335,6 @@ def _fail_and_requeue(
 def _enqueue(study: optuna.Study, params: dict) -> None:
     """Queue a plan's parameters, recorded as queued (:data:`store.QUEUED_ATTR`)."""
     study.enqueue_trial(params, user_attrs={QUEUED_ATTR: params})
-
-
-def _orphaned(trial: optuna.trial.FrozenTrial) -> bool:
-    attrs = trial.user_attrs
-    if HOST_ATTR not in attrs or PID_ATTR not in attrs:  # killed between ask() and its writes
-        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
-        return time.time() - started > 60
-    if attrs[HOST_ATTR] != socket.gethostname():
-        return False  # another host's search: it may be alive
-    try:
-        return psutil.Process(attrs[PID_ATTR]).create_time() != attrs.get(STARTED_ATTR)
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _plan_of(study: optuna.Study, number: int) -> str | None:

@@ -415,7 +415,7 @@ def describe_validation_error(
     # Errors on an ancestor of the first field are consequences of it (e.g. an empty list).
     others = [err for err in errors if err is not first and err["loc"] != first["loc"][: len(err["loc"])]]
     loc = ".".join(
-        str(p)
+        str(p) if str(p).isprintable() else repr(str(p))  # a key "a\nb" must not break the line
         for i, p in enumerate(first["loc"])
         if not (i == 1 and first["loc"][0] in ("workload", "target") and p in _TAGS)
         and not str(p).startswith("function-")
