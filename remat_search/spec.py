@@ -215,7 +215,8 @@ class SamplerConfig(_Frozen):
     """``planner``: the cost model's best plans for the budget and along the front, then TPE
     (see ``planner.py``); or one of optuna's: ``tpe``, ``nsga2``, ``random`` (the names of
     ``planner.SAMPLERS``, checked before a search writes anything)."""
-    seed: int | None = 0
+    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = 0
+    """0 to 2**32 − 1, as numpy's generators take (null: a different search each run)."""
 
 
 class TpuTarget(_Frozen):

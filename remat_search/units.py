@@ -36,7 +36,7 @@ def parse_bytes(value: object) -> int:
             raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
         except OverflowError:  # ByteSize's own int(float("1e400") * unit)
             number = math.inf
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number) or int(number) <= 0:  # 0.5 is no byte
         raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
     return int(number)
 

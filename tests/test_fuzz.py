@@ -366,7 +366,9 @@ FUZZ = settings(max_examples=25, deadline=None, database=None,
 
 @FUZZ
 @given(data=specs("sqlite:///{tmp}/studies.db"))
-@example(data={**base_spec("sqlite:///{tmp}/studies.db"), "sampler": {"kind": "tpe", "seed": -1}})
+@example(data={**base_spec("sqlite:///{tmp}/studies.db"), "sampler": {"kind": "tpe", "seed": -1}})  # numpy refused
+@example(data={**base_spec("sqlite:///{tmp}/studies.db"), "sampler": {"kind": "random", "seed": 2**32}})
+@example(data={**base_spec("sqlite:///{tmp}/studies.db"), "budget": 0.5})  # read as 0 bytes: a division by zero
 @example(data={**base_spec("sqlite:///{tmp}/studies.db"), "timing": {"timeout": 1e300}})  # overflowed poll()
 @example(data={**base_spec("sqlite:///{tmp}/studies.db"), "a\nb": 1})  # an unknown key that broke the line
 @example(data={**base_spec("sqlite:///{tmp}/studies.db"), "budget": 10**400})  # OverflowError from float()
