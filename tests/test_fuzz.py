@@ -400,6 +400,7 @@ def test_fuzzed_study_names(fuzzer: Fuzzer, command: str, name: str) -> None:
 
 @settings(FUZZ, max_examples=200)
 @given(value=plan_texts())
+@example(value='{"layers": [{"kind": "full", "a\\nb": 1}]}')  # an unknown key that broke the line
 def test_fuzzed_plan_json(fuzzer: Fuzzer, value: str) -> None:
     fuzzer.plan_json(value)
 
