@@ -65,6 +65,13 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
     """
     url = resolve_url(url)
     shown = _shown(url)
+    try:  # optuna's RDBStorage fills the URL in as a template: url.format(SCHEMA_VERSION=...)
+        url.format(SCHEMA_VERSION=0)
+    except (ValueError, KeyError, IndexError, AttributeError):
+        raise StorageError(
+            f"storage: {shown!r} has a brace that optuna reads as a template field ({{SCHEMA_VERSION}}); "
+            "double it ({{ or }}) or rename the file"
+        ) from None
     with translate_errors(url):
         parsed = _parse_url(url)
         if parsed.get_backend_name() == "sqlite":

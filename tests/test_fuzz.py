@@ -176,7 +176,7 @@ STORAGE_URLS = [
     "postgresql+psycopg://u:p@localhost:1/db", "postgresql://u@localhost:notaport/db", "postgresql://u:p@[::1",
     "postgresql+asyncpg://u@127.0.0.1/db", "mysql://u@127.0.0.1:1/db", "oracle://u@127.0.0.1:1/db",
     "mssql+pyodbc://u@127.0.0.1:1/db", "nosuch://x", "http://127.0.0.1:1/", "not a url", "", "://", "sqlite:",
-    "SQLITE:///{tmp}/x.db", "sqlite:///{tmp}/é ü.db", "sqlite:////dev/null", "sqlite:////proc/self/status",
+    "SQLITE:///{tmp}/x.db", "sqlite:///{tmp}/é ü.db", "sqlite:///{tmp}/{x}.db", "sqlite:///{tmp}/{{.db", "sqlite:////dev/null", "sqlite:////proc/self/status",
 ]
 storage_urls = st.one_of(
     st.sampled_from(STORAGE_URLS),
@@ -388,6 +388,7 @@ def test_fuzzed_budgets(fuzzer: Fuzzer, command: str, value: str) -> None:
 @given(command=st.sampled_from([*QUERIES, "run"]), template=storage_urls)
 @example(command="studies", template="postgresql://u@localhost:notaport/db")  # ValueError from SQLAlchemy
 @example(command="studies", template="postgresql://\x93")  # UnicodeError looking the host up
+@example(command="run", template="sqlite:///{tmp}/}.db")  # optuna formats the URL as a template
 def test_fuzzed_storage_urls(fuzzer: Fuzzer, command: str, template: str) -> None:
     fuzzer.storage(command, template)
 
