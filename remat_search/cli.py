@@ -432,6 +432,32 @@ def _quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+@app.command(cls=_Command)
+@_handle_errors
+def doctor(
+    storage: StorageOption = None,
+    study: Annotated[str | None, typer.Option("--study", "-s", metavar="NAME", show_default=False,
+                                              help="Judge only this study's trials. Default: every study.")] = None,
+) -> None:
+    """Check the storage, the backend and the device, and say what to fix.
+
+    Storage: reachable, its driver, optuna's schema version, the measurement cache table,
+    SQLite's integrity and journal mode (WAL), and stale trials (running, their search gone:
+    by pid on this host, by heartbeat on others). Backend: JAX's platform, devices and plugins
+    (libtpu, CUDA). Memory: per device, and free on the host. Writes nothing.
+
+    Exit codes: 0 when no check failed (warnings allowed); 1 when one failed, a file that is
+    no database or is damaged included; 2 for bad input, one line: a malformed URL, a SQLite
+    file that does not exist, an unknown study.
+    """
+    from remat_search.doctor import diagnose
+
+    checks = diagnose(storage, _study(study) if study is not None else None)
+    output.console.print(output.doctor_table(checks))
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

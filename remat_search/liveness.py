@@ -31,11 +31,9 @@ import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 from remat_search.spec import HeartbeatConfig
-from remat_search.store import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR
+from remat_search.store import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR, STARTED_ATTR
 
 logger = logging.getLogger("remat_search")
-STARTED_ATTR = "pid_started"
-"""The trial's search process's start time (``psutil``): a reused process id is another process."""
 
 
 def mark(trial: optuna.Trial) -> None:

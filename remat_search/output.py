@@ -13,6 +13,7 @@ from rich.text import Text
 from remat_search.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
+    from remat_search.doctor import Check
     from remat_search.planner import Advice
     from remat_search.report import StudySummary
     from remat_search.results import StudyReport, TrialResult
@@ -380,3 +381,17 @@ def describe_trial(t: TrialResult) -> str:
     if t.error:
         lines.append(f"  error: {t.error}")
     return "\n".join(line for line in lines if line)
+
+
+_CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def doctor_table(checks: Iterable[Check]) -> Table:
+    """One row a check of ``remat-search doctor``: its verdict, what it found, what to do."""
+    table = _table("remat-search doctor", {
+        "check": {"no_wrap": True}, "": {"no_wrap": True}, "found": {"ratio": 2, "overflow": "fold"},
+        "what to do": {"ratio": 1, "overflow": "fold"},
+    })
+    for c in checks:
+        table.add_row(c.name, Text(c.status, style=_CHECK_STYLE[c.status]), Text(c.found), Text(c.fix))
+    return table

@@ -212,6 +212,6 @@ def _first_error(e: Exception) -> str:
     errors = getattr(e, "errors", None)
     if callable(errors):
         first = errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in first["loc"])  # one line
         return f"{where}: {first['msg']}" if where else first["msg"]
     return str(e).splitlines()[0]

@@ -473,7 +473,7 @@ def make_sampler(config: SamplerConfig, *, space: Space, budget: int, offset: in
     the proposals of the session before it.
     """
     check_sampler(config)
-    return SAMPLERS[config.kind](space, budget, None if config.seed is None else config.seed + offset)
+    return SAMPLERS[config.kind](space, budget, None if config.seed is None else (config.seed + offset) % 2**32)
 
 
 class Advice(BaseModel):

@@ -215,7 +215,8 @@ class SamplerConfig(_Frozen):
     """``planner``: the cost model's best plans for the budget and along the front, then TPE
     (see ``planner.py``); or one of optuna's: ``tpe``, ``nsga2``, ``random`` (the names of
     ``planner.SAMPLERS``, checked before a search writes anything)."""
-    seed: int | None = 0
+    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = 0
+    """0 to 2**32 − 1, as numpy's generators take (null: a different search each run)."""
 
 
 class TpuTarget(_Frozen):
@@ -449,7 +450,7 @@ def describe_validation_error(
     # Errors on an ancestor of the first field are consequences of it (e.g. an empty list).
     others = [err for err in errors if err is not first and err["loc"] != first["loc"][: len(err["loc"])]]
     loc = ".".join(
-        str(p)
+        str(p) if str(p).isprintable() else repr(str(p))  # a key "a\nb" must not break the line
         for i, p in enumerate(first["loc"])
         if not (i == 1 and first["loc"][0] in ("workload", "target") and p in _TAGS)
         and not str(p).startswith("function-")

@@ -34,6 +34,9 @@ CONNECT_TIMEOUT_SECONDS = 10
 # Trial user attributes written by the search.
 PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
 HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
+STARTED_ATTR = "pid_started"
+"""When the search process (``PID_ATTR``) started: a pid the system gave to another process
+since is told apart by its start time."""
 PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
 QUEUED_ATTR = "queued_params"
 """The parameters a queued trial was enqueued with (``study.enqueue_trial(params, user_attrs=
@@ -62,18 +65,29 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
     """
     url = resolve_url(url)
     shown = _shown(url)
+    try:  # optuna's RDBStorage fills the URL in as a template: url.format(SCHEMA_VERSION=...)
+        url.format(SCHEMA_VERSION=0)
+    except (ValueError, KeyError, IndexError, AttributeError):
+        raise StorageError(
+            f"storage: {shown!r} has a brace that optuna reads as a template field ({{SCHEMA_VERSION}}); "
+            "double it ({{ or }}) or rename the file"
+        ) from None
     with translate_errors(url):
-        parsed = sqlalchemy.engine.make_url(url)
+        parsed = _parse_url(url)
         if parsed.get_backend_name() == "sqlite":
             _check_sqlite_path(parsed.database, shown, create=create)
-            return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
-        engine_kwargs: dict = {"pool_pre_ping": True}
+            engine_kwargs: dict = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
+            _engine(parsed, shown, engine_kwargs).dispose()  # its options read; SQLite opens nothing yet
+            return engine_kwargs
+        engine_kwargs = {"pool_pre_ping": True}
         if parsed.get_backend_name() == "postgresql":
             engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
-        probe = sqlalchemy.create_engine(parsed, **engine_kwargs)
+        probe = _engine(parsed, shown, engine_kwargs)
         try:
             with probe.connect():
                 pass
+        except UnicodeError as e:  # the host name cannot be looked up ('idna' codec), before any network
+            raise StorageError(f"storage: {shown!r} names a host that is no host name ({e})") from None
         finally:
             probe.dispose()
         return engine_kwargs
@@ -153,10 +167,7 @@ def translate_errors(url: str) -> Iterator[None]:
             raise
         raise StorageError(f"storage: {shown!r} {missing}") from None
     except sqlalchemy.exc.ArgumentError:
-        raise StorageError(
-            f"storage: {shown!r} is not a database URL; expected e.g. "
-            f"sqlite:///path/to/studies.db or postgresql://user@host/db"
-        ) from None
+        raise _not_a_url(shown) from None
     except Exception as e:
         if not isinstance(e, (sqlalchemy.exc.SQLAlchemyError, *_optuna_storage_errors())):
             raise
@@ -169,6 +180,36 @@ def _optuna_storage_errors() -> tuple[type[Exception], ...]:
     queries read the tables without importing it."""
     exceptions = sys.modules.get("optuna.exceptions")
     return (exceptions.StorageInternalError,) if exceptions is not None else ()
+
+
+def _parse_url(url: str) -> sqlalchemy.engine.URL:
+    """``url`` parsed; SQLAlchemy raises ValueError, not its ArgumentError, for some bad URLs
+    (a port that is no number: ``postgresql://u@host:x/db``)."""
+    try:
+        return sqlalchemy.engine.make_url(url)
+    except ValueError:
+        raise _not_a_url(_shown(url)) from None
+
+
+def _engine(parsed: sqlalchemy.engine.URL, shown: str, engine_kwargs: dict) -> sqlalchemy.Engine:
+    """An engine for ``parsed`` (no connection yet); a URL option its driver cannot read, or
+    ignores, is a :class:`StorageError` (``?timeout=abc``, ``?mode=ro`` without ``uri=true``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sqlalchemy.exc.SAWarning)
+        try:
+            return sqlalchemy.create_engine(parsed, **engine_kwargs)
+        except sqlalchemy.exc.SAWarning as e:
+            reason = str(e).split(" (Background on this")[0]
+            raise StorageError(f"storage: {shown!r}: {reason}") from None
+        except (ValueError, TypeError) as e:
+            raise StorageError(f"storage: {shown!r} has an option its driver cannot read ({e})") from None
+
+
+def _not_a_url(shown: str) -> StorageError:
+    return StorageError(
+        f"storage: {shown!r} is not a database URL; expected e.g. "
+        f"sqlite:///path/to/studies.db or postgresql://user@host/db"
+    )
 
 
 # SQLAlchemy's driver name → the module it imports and what `pip install` needs to install it.
@@ -197,7 +238,7 @@ def _missing_driver(url: str, error: ModuleNotFoundError) -> str | None:
     try:
         parsed = sqlalchemy.engine.make_url(url)
         driver, dialect = parsed.get_driver_name(), parsed.get_dialect()
-    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError):
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ValueError):
         return None
     module, package = _DRIVERS.get(driver, (driver, driver))
     if (error.name or "").partition(".")[0] != module.partition(".")[0]:
@@ -262,7 +303,7 @@ def _shown(url: str) -> str:
     """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
     try:
         parsed = sqlalchemy.engine.make_url(url)
-    except sqlalchemy.exc.ArgumentError:
+    except (sqlalchemy.exc.ArgumentError, ValueError):
         return url
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         parsed = parsed.set(database=str(Path(parsed.database).resolve()))

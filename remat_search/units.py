@@ -18,6 +18,9 @@ _BYTE_SIZE = TypeAdapter(ByteSize)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _SECONDS_PER_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 BYTES_EXPECTED = "a positive size such as 200MiB, 16GiB, 80GB or 1.6e10"
+MAX_SECONDS = 30 * 24 * 3600.0
+"""The longest duration accepted: a month is longer than any wait that makes sense, and
+longer ones overflow the clocks that waits use (``1e300`` seconds is no timeout)."""
 
 
 def parse_bytes(value: object) -> int:
@@ -25,21 +28,31 @@ def parse_bytes(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")  # noqa: TRY004 (pydantic validators need ValueError)
     try:
-        number = float(value)  # type: ignore[arg-type]  # ints, floats, "1.6e10", "-1"
+        number = float(value) if not isinstance(value, int) else _float(value)  # type: ignore[arg-type]  # "1.6e10", "-1"
     except (TypeError, ValueError):
         try:
-            number = float(_BYTE_SIZE.validate_python(value))
+            number = _float(_BYTE_SIZE.validate_python(value))
         except ValidationError:
             raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
+        except OverflowError:  # ByteSize's own int(float("1e400") * unit)
+            number = math.inf
+    if not math.isfinite(number) or int(number) <= 0:  # 0.5 is no byte
         raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
     return int(number)
+
+
+def _float(n: int) -> float:
+    """``n`` as a float; an int past the largest float is infinite (of its sign), not an OverflowError."""
+    try:
+        return float(n)
+    except OverflowError:
+        return math.inf if n > 0 else -math.inf
 
 
 def parse_seconds(value: object) -> float:
     """Return the positive number of seconds ``value`` names (``120``, ``120s``, ``2m``)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = value if isinstance(value, float) else _float(value)
     else:
         match = _DURATION.match(str(value))
         if match is None:
@@ -47,6 +60,8 @@ def parse_seconds(value: object) -> float:
         seconds = float(match[1]) * _SECONDS_PER_UNIT[match[2] or "s"]
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"expected a positive duration such as 90s, got {value!r}")
+    if seconds > MAX_SECONDS:
+        raise ValueError(f"expected a duration of at most 30 days ({MAX_SECONDS:g} s), got {value!r}")
     return seconds
 
 

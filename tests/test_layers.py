@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"planner"},
     {"confirm"},
     {"search"},
-    {"report"},
+    {"report", "doctor"},
     {"output"},
     {"cli"},
     {"__init__"},
