@@ -136,7 +136,7 @@ class StoredStudy:
             "JOIN trial_values p ON p.trial_id = t.trial_id AND p.objective = 1 "
             "WHERE t.study_id = :study AND t.state = 'COMPLETE' AND s.value_type = 'INF_POS' "
             "AND p.value <= :budget ORDER BY t.trial_id",
-            budget=budget,
+            budget=float(budget),  # the values are floats; an int past 2**63 is no SQLite INTEGER
         )
         return [
             t for t in self._load([r[0] for r in rows]).values()
@@ -149,7 +149,8 @@ class StoredStudy:
         confirmed = self._confirmed()
         rivals: list[TrialResult] | None = None  # the confirmed plans that are timed and fit
         stream = self.connection.execute(
-            text(_TIMED + limit + " ORDER BY s.value, p.value, t.number"), {"study": self.study_id, "budget": budget}
+            text(_TIMED + limit + " ORDER BY s.value, p.value, t.number"),
+            {"study": self.study_id, "budget": None if budget is None else float(budget)},  # as at untimed_within
         )
         for batch in iter(lambda: stream.fetchmany(16), []):
             points = [_Point(*row) for row in batch if row[0] not in confirmed]
