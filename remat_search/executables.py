@@ -163,9 +163,8 @@ def _observe(
     executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
-    compiles = time.time()
     build = executables.build(plan)
-    compiled_at = (build.started, build.started + build.seconds) if build.started >= compiles else None
+    compiled_at = (build.started, build.started + build.seconds)
     if build.oom is not None:
         required, temp, available = build.oom
         return RawMeasurement(

@@ -67,7 +67,7 @@ def ask(study: optuna.Study) -> optuna.Trial:
         return study.ask()
 
 
-def recover(study: optuna.Study, *, n_params: int, grace: float) -> int:
+def recover(study: optuna.Study, storage: optuna.storages.RDBStorage, *, n_params: int, grace: float) -> int:
     """Fail the study's dead running trials (see the module) and queue their plans again;
     return how many this call failed. Safe to call from several processes at once: a trial is
     failed, and its plan queued, by one of them."""
@@ -77,15 +77,19 @@ def recover(study: optuna.Study, *, n_params: int, grace: float) -> int:
         optuna.storages.fail_stale_trials(study)  # heartbeats: requeued by the storage's callback
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if orphaned(trial, grace=grace):
-            failed += fail_and_requeue(study, trial, n_params=n_params)
+            failed += fail_and_requeue(study, storage, trial, n_params=n_params)
     return failed
 
 
-def fail_and_requeue(study: optuna.Study, trial: FrozenTrial, *, n_params: int) -> bool:
-    """Fail running ``trial`` as interrupted and queue its plan again (if it had chosen all
-    ``n_params``); False where another process finished or failed it first."""
-    storage = study._storage
-    trial_id = trial._trial_id
+def fail_and_requeue(
+    study: optuna.Study, storage: optuna.storages.RDBStorage, trial: FrozenTrial, *, n_params: int
+) -> bool:
+    """Fail running ``trial`` of ``study`` (in ``storage``) as interrupted and queue its plan
+    again (if it had chosen all ``n_params``); False where another process finished or failed
+    it first."""
+    trial_id = storage.get_trial_id_from_study_id_trial_number(
+        storage.get_study_id_from_name(study.study_name), trial.number
+    )
     try:
         storage.set_trial_user_attr(trial_id, FAILURE_ATTR, INTERRUPTED)
         if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
@@ -134,7 +138,7 @@ class Heartbeats:
     from a thread of its own (a worker busy compiling for minutes does not stop it)."""
 
     def __init__(self, storage: optuna.storages.RDBStorage, config: HeartbeatConfig) -> None:
-        self._storage, self._interval = storage, config.interval
+        self._rdb, self._interval = storage, config.interval
         self._trials: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -150,7 +154,7 @@ class Heartbeats:
 
     def add(self, trial_id: int) -> None:
         """Beat for ``trial_id`` from now on (one heartbeat now)."""
-        self._storage.record_heartbeat(trial_id)
+        self._rdb.record_heartbeat(trial_id)
         with self._lock:
             self._trials.add(trial_id)
 
@@ -164,7 +168,7 @@ class Heartbeats:
                 trials = sorted(self._trials)
             for trial_id in trials:
                 try:
-                    self._storage.record_heartbeat(trial_id)
+                    self._rdb.record_heartbeat(trial_id)
                 except Exception as e:  # noqa: BLE001 - a missed beat is retried; the grace allows several
                     logger.warning("could not record the heartbeat of a trial (%s); retrying", e)
 

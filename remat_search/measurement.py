@@ -97,8 +97,8 @@ class RawMeasurement(BaseModel):
     bytes_accessed: float | None = None
     compile_seconds: float | None = None
     compiled_at: tuple[float, float] | None = None
-    """When this worker compiled the plan (start and end, Unix seconds); None where it reused
-    an executable it had kept."""
+    """When the worker compiled the plan (start and end, Unix seconds): now, or earlier where it
+    kept the executable."""
     ran_at: tuple[float, float] | None = None
     """When the plan held the device (start and end, Unix seconds): its state placed, checked
     and timed. Plans of one host never hold its device at once (see ``Target.device_lock``)."""

@@ -119,7 +119,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         with translate_errors(spec.storage):  # the storage calls that open the study; later ones fail at run time
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, space)
-            recover(study, n_params=space.n_params, grace=spec.heartbeat.grace)
+            recover(study, storage, n_params=space.n_params, grace=spec.heartbeat.grace)
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
         _Workers(spec, budget, study, space, storage, device, tell).run(runners)
         if spec.confirm.top and device.executes:
@@ -173,6 +173,7 @@ class _Workers:
     ) -> None:
         self.spec, self.budget, self.study, self.space = spec, budget, study, space
         self.storage, self.engine, self.device, self.tell = storage, storage.engine, device, tell
+        self.study_id = storage.get_study_id_from_name(study.study_name)
         self.lock = threading.Lock()
         """Held while a plan is proposed and the trials are counted: one thread at a time."""
         self.stop = threading.Event()
@@ -239,11 +240,11 @@ class _Workers:
                 return _WAIT
             trial = ask(self.study)
             if not self._admitted(trial):  # another process asked for the last one at the same moment
-                fail_and_requeue(self.study, self._frozen(trial), n_params=self.space.n_params)
+                fail_and_requeue(self.study, self.storage, self._frozen(trial), n_params=self.space.n_params)
                 return _WAIT
             try:
                 mark(trial)
-                self.heartbeats.add(trial._trial_id)
+                self.heartbeats.add(self._id_of(trial))
                 plan = self.space.suggest(trial)
                 record_prediction(self.study, trial)
                 labels = self.space.layer_labels(trial.params)
@@ -310,7 +311,7 @@ class _Workers:
             self._interrupt(trial)
             raise
         finally:
-            self.heartbeats.remove(trial._trial_id)
+            self.heartbeats.remove(self._id_of(trial))
             if claimed:
                 cache.release(self.engine, self.device, plan.digest, study=spec.study, trial=trial.number)
         self.tell(Progress(
@@ -346,16 +347,20 @@ class _Workers:
     def _recover_if_due(self) -> None:
         """Fail dead trials (and requeue their plans) once every heartbeat interval; the lock held."""
         if time.monotonic() - self.recovered >= self.spec.heartbeat.interval:
-            recover(self.study, n_params=self.space.n_params, grace=self.spec.heartbeat.grace)
+            recover(self.study, self.storage, n_params=self.space.n_params, grace=self.spec.heartbeat.grace)
             self.recovered = time.monotonic()
 
     def _interrupt(self, trial: optuna.Trial) -> None:
         """Fail this process's ``trial`` as interrupted, and queue its plan again."""
-        self.heartbeats.remove(trial._trial_id)
-        fail_and_requeue(self.study, self._frozen(trial), n_params=self.space.n_params)
+        self.heartbeats.remove(self._id_of(trial))
+        fail_and_requeue(self.study, self.storage, self._frozen(trial), n_params=self.space.n_params)
+
+    def _id_of(self, trial: optuna.Trial) -> int:
+        """The storage's id of this search's ``trial`` (optuna keeps its own private)."""
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
 
     def _frozen(self, trial: optuna.Trial) -> optuna.trial.FrozenTrial:
-        return self.storage.get_trial(trial._trial_id)
+        return self.storage.get_trial(self._id_of(trial))
 
 
 def _screened(
