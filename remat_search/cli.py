@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -24,7 +23,6 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from remat_search import output
 from remat_search.errors import (
@@ -100,6 +98,8 @@ class _Command(typer.core.TyperCommand):
 
 def _print_version(value: bool) -> None:
     if value:
+        import importlib.metadata  # here, not for every command: it costs a query 40 ms
+
         print(f"remat-search {importlib.metadata.version('remat-search')}")
         raise typer.Exit()
 
@@ -236,6 +236,8 @@ def _search(loaded: Any) -> Any:
     if not output.console.is_terminal:
         with _notes():
             return run_search(loaded, on_progress=lambda p: _print(*lines(p)))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     with _notes(), Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[best]}"), console=output.console, transient=False,
