@@ -119,8 +119,12 @@ def open_storage(
                         url, engine_kwargs=engine_kwargs, skip_table_creation=not create, **(heartbeat or {})
                     )
                 break
-            except sqlalchemy.exc.IntegrityError:  # another process made the tables just now
-                if attempt == 2:
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.ProgrammingError) as e:
+                # Another process made the tables just now: SQLite says "table … already exists",
+                # PostgreSQL a duplicate table or type. They are there now (optuna checks first).
+                if attempt == 2 or (
+                    not isinstance(e, sqlalchemy.exc.IntegrityError) and "already exists" not in str(e)
+                ):
                     raise
                 time.sleep(0.5)
         if create and storage.engine.dialect.name == "sqlite":

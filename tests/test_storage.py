@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from remat_search.spec import default_storage, storage_home
 
@@ -86,3 +87,27 @@ def test_a_storage_home_that_cannot_be_made_is_bad_input(tmp_path: Path) -> None
     assert result.returncode == 2, result.stdout + result.stderr
     assert "REMAT_SEARCH_HOME" in result.stderr and "is not a writable directory" in result.stderr
     assert result.stderr.count("\n") == 1 and not list(tmp_path.glob("**/*.db"))
+
+
+def _open_at_once(url: str, barrier: Any) -> None:
+    barrier.wait()
+    from remat_search.store import open_storage
+
+    open_storage(url, create=True)
+
+
+def test_searches_that_start_at_once_on_a_new_database_all_open_it(tmp_path: Path) -> None:
+    """Each makes optuna's tables if missing: all but the first find them made a moment ago
+    (SQLite: "table studies already exists"), and open the database all the same."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    for attempt in range(3):
+        url = f"sqlite:///{tmp_path / f'race-{attempt}.db'}"
+        barrier = context.Barrier(4)
+        processes = [context.Process(target=_open_at_once, args=(url, barrier)) for _ in range(4)]
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join(120)
+        assert [p.exitcode for p in processes] == [0] * 4
