@@ -386,7 +386,7 @@ class PlannerSampler(optuna.samplers.BaseSampler):
 
     def __init__(self, space: Space, budget: int, *, seed: int | None = None) -> None:
         self._space, self._budget = space, budget
-        self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+        self._tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
         self.predictions: dict[int, dict[str, float]] = {}
         """The prediction of each trial this sampler proposed, by trial number, until recorded."""
 
@@ -452,7 +452,8 @@ SamplerFactory = Callable[[Space, int, "int | None"], optuna.samplers.BaseSample
 """Builds a sampler for ``(space, budget, seed)``."""
 SAMPLERS: dict[str, SamplerFactory] = {
     "planner": lambda space, budget, seed: PlannerSampler(space, budget, seed=seed),
-    "tpe": lambda space, budget, seed: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+    # constant_liar: running trials count as bad results, so workers in parallel spread out
+    "tpe": lambda space, budget, seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True),
     "nsga2": lambda space, budget, seed: optuna.samplers.NSGAIISampler(seed=seed),
     "random": lambda space, budget, seed: optuna.samplers.RandomSampler(seed=seed),
 }

@@ -146,6 +146,8 @@ class _Asked(NamedTuple):
     trial: optuna.Trial
     plan: RematPlan
     labels: tuple[str, ...]
+    done: int
+    """Trials finished when it was asked for."""
 
 
 _WAIT = "wait"
@@ -253,7 +255,7 @@ class _Workers:
             except BaseException:
                 self._interrupt(trial)
                 raise
-            return _Asked(trial, plan, labels)
+            return _Asked(trial, plan, labels, done)
 
     def _admitted(self, trial: optuna.Trial) -> bool:
         """Whether ``trial`` (just asked for) is within ``spec.trials``: the counted trials and
@@ -272,7 +274,7 @@ class _Workers:
 
         If anything interrupts it (Ctrl-C, a worker that cannot restart), the trial is failed
         as interrupted and its plan queued again before the error goes on."""
-        trial, plan, labels = asked
+        trial, plan, labels, done = asked
         spec, study = self.spec, self.study
         reused_from = cached_from = None
         m: Measurement | None = None
@@ -292,7 +294,7 @@ class _Workers:
                     cached_from = f"{hit.study}#{hit.trial}"
                     trial.set_user_attr(CACHED_ATTR, cached_from)
             self.tell(Progress(
-                event="trial", done=finished_trials(study), total=spec.trials, trial=TrialResult(
+                event="trial", done=done, total=spec.trials, trial=TrialResult(
                     number=trial.number, status="running", plan=plan, labels=labels, reused_from=reused_from,
                     cached_from=cached_from,
                 ),
@@ -305,7 +307,9 @@ class _Workers:
                 raise _Stopped
             if reused_from is None and cached_from is None:
                 cache.store(self.engine, self.device, m, study=spec.study, trial=trial.number)
-            m = m.model_copy(update={"anchor_seconds": _anchor_seconds(study, m) if spec.timing.anchor else None})
+            with self.lock:  # the study's first anchored measurement sets its reference: one thread
+                anchor = _anchor_seconds(study, m) if spec.timing.anchor else None
+            m = m.model_copy(update={"anchor_seconds": anchor})
             _record(study, trial, m, self.budget)
         except BaseException:
             self._interrupt(trial)
@@ -388,8 +392,8 @@ def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
         return None
     reference = study.user_attrs.get(ANCHOR_ATTR)
     if reference is None:
-        reference = statistics.median(m.anchor_times)
-        study.set_user_attr(ANCHOR_ATTR, reference)
+        study.set_user_attr(ANCHOR_ATTR, statistics.median(m.anchor_times))
+        reference = study.user_attrs[ANCHOR_ATTR]  # another search's, where it set one at the same moment
     return float(reference)
 
 
