@@ -269,6 +269,28 @@ def test_planner_study_proposes_predicted_plans_that_fit(tmp_path: Path, storage
     assert "solve approximate (front thinned to 16 states)" in _rendered(advice.model_copy(update={"thinned_to": 16}))
 
 
+def test_two_workers_never_get_one_plan_from_the_planner(tmp_path: Path, storage_url: str) -> None:
+    """With two workers each proposal is made while the other's trial runs: the planner counts
+    the running plan as tried, so none of its proposals repeats a plan of the study (a repeat
+    would be reused, and show here as a second trial of one digest). TPE, once the planner has
+    nothing new, may repeat one: only the planner's own proposals are judged."""
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"full×3": 20, "dots×3": 20}))
+    workload = {"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}}
+    spec = parse_spec(spec_dict(
+        storage_url, workload=workload, budget="1GiB", trials=8, workers=2, sampler={"kind": "planner", "seed": 0},
+        space={"layout": "per_layer", "choices": ["none", "full", "dots"]}, confirm={"top": 0},
+    ))
+    report = remat_search.run(spec)
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    proposed = {t.number for t in study.trials if PREDICTION_ATTR in t.user_attrs}
+    assert len(proposed) >= 2, "the planner proposed too little to judge"
+    digests = [t.plan.digest for t in report.trials if t.plan is not None]
+    for t in report.trials:
+        if t.number in proposed:
+            assert digests.count(t.plan.digest) == 1, t.summary()
+
+
 def _rendered(advice: remat_search.Advice) -> str:
     console = Console(file=io.StringIO(), width=200)
     console.print(output.advice_table(advice))
