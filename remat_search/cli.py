@@ -178,7 +178,7 @@ def run(
     """Search the spec's space; running it again resumes an interrupted study.
 
     Every candidate is compiled; one over the budget is recorded and never run; one that
-    fits is run, its gradients checked against no remat, and its step timed. The uniform
+    fits is run, its first step checked against full remat's, and its step timed. The uniform
     presets go first, then the planner's predicted-best plans (sampler: planner), and the
     fastest plans that fit are re-timed interleaved at the end (confirm: {top, rounds}).
     A plan measured before for this workload and device, in any study, is not compiled
