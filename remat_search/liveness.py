@@ -67,18 +67,16 @@ def ask(study: optuna.Study) -> optuna.Trial:
         return study.ask()
 
 
-def recover(study: optuna.Study, storage: optuna.storages.RDBStorage, *, n_params: int, grace: float) -> int:
-    """Fail the study's dead running trials (see the module) and queue their plans again;
-    return how many this call failed. Safe to call from several processes at once: a trial is
-    failed, and its plan queued, by one of them."""
-    failed = 0
+def recover(study: optuna.Study, storage: optuna.storages.RDBStorage, *, n_params: int, grace: float) -> None:
+    """Fail the study's dead running trials (see the module) and queue their plans again.
+    Safe to call from several processes at once: a trial is failed, and its plan queued, by
+    one of them."""
     with warnings.catch_warnings():  # "experimental" since optuna 2.9, and unchanged since
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)  # heartbeats: requeued by the storage's callback
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if orphaned(trial, grace=grace):
-            failed += fail_and_requeue(study, storage, trial, n_params=n_params)
-    return failed
+            fail_and_requeue(study, storage, trial, n_params=n_params)
 
 
 def fail_and_requeue(
