@@ -187,29 +187,32 @@ class _Workers:
         """Measure with every runner until the study is done; raise the first thread's error,
         or KeyboardInterrupt, once every thread has put its trial back."""
         started = threading.Barrier(len(runners))
+        ended = [threading.Event() for _ in runners]
         threads = [
-            threading.Thread(target=self._work, args=(runner, started), name=f"remat-search-worker-{i}", daemon=True)
-            for i, runner in enumerate(runners)
+            threading.Thread(
+                target=self._work, args=(runner, started, end), name=f"remat-search-worker-{i}", daemon=True
+            )
+            for i, (runner, end) in enumerate(zip(runners, ended, strict=True))
         ]
         with self.heartbeats:
             for thread in threads:
                 thread.start()
             try:
-                for thread in threads:
-                    while thread.is_alive():
-                        thread.join(0.2)
+                for end in ended:  # not Thread.join: on 3.11 a Ctrl-C inside join() marks a live thread stopped
+                    while not end.wait(0.2):
+                        pass
             except BaseException:  # Ctrl-C: stop the workers; each thread requeues its trial
                 self.stop.set()
                 started.abort()
                 for runner in runners:
                     runner.kill()
-                for thread in threads:
-                    thread.join()
+                for end in ended:
+                    end.wait()
                 raise
         if self.errors:
             raise self.errors[0]
 
-    def _work(self, runner: Runner, started: threading.Barrier) -> None:
+    def _work(self, runner: Runner, started: threading.Barrier, ended: threading.Event) -> None:
         try:
             try:
                 runner.describe()  # every worker starts at once, and all begin together
@@ -228,6 +231,8 @@ class _Workers:
         except BaseException as e:  # noqa: BLE001 - raised again by run(), in the main thread
             self.errors.append(e)
             self.stop.set()
+        finally:
+            ended.set()
 
     def next(self) -> _Asked | Literal["wait"] | None:
         """The next trial with its plan; ``_WAIT`` while the trials still to finish are all
