@@ -33,6 +33,8 @@ LAYERS: list[set[str]] = [
     {"search"},
     {"report", "doctor"},
     {"output"},
+    {"page"},
+    {"server"},
     {"cli"},
     {"__init__"},
 ]
