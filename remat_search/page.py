@@ -54,13 +54,13 @@ def render_page(summary: StudySummary, report: StudyReport) -> str:
 <style>{_STYLE}</style>
 </head>
 <body>
-<header>
+<header><div class="wrap">
   <div class="brand">remat-search</div>
   <h1>{e(summary.study)}</h1>
   <p class="meta"><span>target <b>{e(summary.target)}</b></span><span>device <b>{e(summary.device)}</b></span>
   <span>budget <b>{e(format_bytes(summary.budget)) if summary.budget else "—"}</b> per device</span>
   <span>{summary.complete} complete · {summary.failed} failed</span></p>
-</header>
+</div></header>
 <main>
 <section class="stats">{cards}</section>
 <section class="grid">
@@ -135,6 +135,7 @@ _STYLE = """
 body{margin:0;background:var(--bg);color:var(--ink);font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,
 "Helvetica Neue",Arial,sans-serif}
 header{background:#fff;border-bottom:1px solid var(--line);padding:18px 32px 14px}
+header .wrap{max-width:1256px;margin:0 auto}
 .brand{font-size:12px;letter-spacing:.08em;text-transform:uppercase;color:var(--muted)}
 h1{margin:2px 0 6px;font-size:26px;font-weight:650}
 .meta{margin:0;color:var(--muted);display:flex;flex-wrap:wrap;gap:6px 22px}.meta b{color:var(--ink);font-weight:600}
@@ -246,7 +247,8 @@ _SCRIPT = """
     answer.replaceChildren(
       el("p", {class: "ok"}, "fits " + budget + (plan.layout === "nested" ? " (nested layout)" : "")),
       facts, table, el("pre", {id: "plan-json"}, text.trim()),
-      el("p", {class: "hint"}, "curl '" + location.origin + url + "' > plan.json"));
+      el("p", {class: "hint"}, "the same from a shell:"),
+      el("pre", {}, "curl '" + location.origin + url + "' > plan.json"));
   }
 
   document.getElementById("ask-form").addEventListener("submit", (event) => {
