@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import SpecError
 from remat_search.results import StudyReport, TrialResult
+from remat_search.store import SPEC_ATTR
 from remat_search.stored import StoredStudy, open_studies, open_study
 from remat_search.units import parse_bytes
 
@@ -89,26 +90,37 @@ def summarize(study: StoredStudy) -> StudySummary:
     states = study.count()
     fastest = study.fastest()
     finished = study.finished()
-    total = study.attrs.get("trials")
-    total = total if isinstance(total, int) and not isinstance(total, bool) else None
+    spec = study.attrs.get(SPEC_ATTR)
+    spec = spec if isinstance(spec, dict) else {}  # none where searched before `submit` existed
+    total = spec.get("trials")
     running = states.get("RUNNING", 0)
-    target = study.device.get("target") or study.attrs.get("target")
     return StudySummary(
         study=study.name,
-        budget=study.budget,
+        budget=study.budget or _int(spec.get("budget")) or 0,  # a budget left to the device: once one measures it
         device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})",
-        target=target if isinstance(target, str) else "?",
+        target=_target(study.device.get("target") or spec.get("target") or study.attrs.get("target")),
         # Screened-out plans are pruned: finished, though not measured.
         complete=states.get("COMPLETE", 0) + states.get("PRUNED", 0),
         failed=states.get("FAIL", 0),
         running=running,
         done=len(finished),
-        total=total,
-        eta_seconds=estimate_seconds(finished, total=total, running=running),
+        total=_int(total),
+        eta_seconds=estimate_seconds(finished, total=_int(total), running=running),
         fastest_seconds=fastest.seconds if fastest else None,
         fastest_trial=fastest.number if fastest else None,
         estimated=study.device.get("executes") is False,
     )
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _target(stored: object) -> str:
+    """A target as its spec stored it: ``local``, or a TPU target by its topology."""
+    if isinstance(stored, dict):
+        return str(stored.get("topology", "?"))
+    return stored if isinstance(stored, str) else "?"
 
 
 def estimate_seconds(finished: Sequence[float | None], *, total: int | None, running: int) -> float | None:

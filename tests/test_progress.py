@@ -13,7 +13,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 
 from remat_search.report import estimate_seconds, list_studies
-from remat_search.store import FAILURE_ATTR, INTERRUPTED
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, SPEC_ATTR
 
 START = datetime.datetime(2030, 1, 1, 12, 0, 0)
 
@@ -23,8 +23,7 @@ def _study_mid_search(url: str) -> None:
     failed by the runner in 30 s (all three count), one interrupted (it does not: its plan is
     measured again), two running."""
     study = optuna.create_study(study_name="mid", storage=url, directions=["minimize", "minimize"])
-    study.set_user_attr("trials", 6)
-    study.set_user_attr("budget", 2**20)
+    study.set_user_attr(SPEC_ATTR, {"trials": 6, "budget": 2**20, "target": "local"})
     study.set_user_attr("device_info", {"target": "local", "platform": "cpu", "device_kind": "cpu", "executes": True})
     study.tell(study.ask(), [0.01, 1000.0])
     study.tell(study.ask(), state=TrialState.PRUNED)
