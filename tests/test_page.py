@@ -84,6 +84,8 @@ def test_the_page_shows_the_front_and_answers_a_budget_typed_into_it(browser: An
         typed = f"{-(-smallest.peak_bytes // 1024)}KiB"  # its peak rounded up, as a person types a size
         assert stored.best(remat_search.units.parse_bytes(typed)) == smallest
     page = browser.new_page(viewport={"width": 1400, "height": 900})
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url))
     try:
         response = page.goto(base + "/studies/tiny")
         assert response is not None and response.ok
@@ -118,5 +120,6 @@ def test_the_page_shows_the_front_and_answers_a_budget_typed_into_it(browser: An
             error = page.locator("#answer-error")
             error.wait_for()
             assert error.inner_text().startswith(f"{status}: ") and said in error.inner_text()
+        assert requested and all(u.startswith(base + "/") for u in requested), requested  # nothing from elsewhere
     finally:
         page.close()

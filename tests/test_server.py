@@ -323,7 +323,16 @@ def test_a_spec_posted_with_the_token_is_submitted_once(tmp_path: Path, cli) -> 
         assert (status["done"], status["total"], status["running"], status["eta_seconds"], status["best"]) == (
             0, 6, 0, None, None)
         assert (status["target"], status["budget"]) == ("local", 2**30)
+        page = request(base + "/studies/posted", headers={"Accept": "text/html"})  # nothing measured yet
+        assert page.status == 200 and b"0/6" in page.body
     again = cli("submit", str(tmp_path / "spec.yaml"), "--storage", storage) if (tmp_path / "spec.yaml").write_text(
         yaml.safe_dump(spec)) else None
     assert again is not None and again.exit_code == 0, again.stderr
     assert again.stdout.startswith("study 'posted' was already submitted (0/6 trials)")
+
+
+def test_health_hides_the_storage_password(postgres_url: str) -> None:
+    with_password = postgres_url.replace("postgres@", "postgres:s3cret@")  # the test server trusts any
+    with serving(with_password) as base:
+        answer = request(base + "/health")
+    assert answer.json() == {"status": "ok", "storage": postgres_url.replace("postgres@", "postgres:***@")}
