@@ -32,7 +32,7 @@ LAYERS: list[set[str]] = [
     {"confirm"},
     {"search"},
     {"report", "doctor"},
-    {"output"},
+    {"output", "pictures"},
     {"cli"},
     {"__init__"},
 ]
