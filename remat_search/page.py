@@ -14,7 +14,9 @@ from __future__ import annotations
 import html
 import json
 import urllib.parse
+from collections.abc import Callable
 
+from remat_search import pictures
 from remat_search.errors import SpecError
 from remat_search.output import eta_text, progress_text
 from remat_search.report import StudySummary
@@ -64,10 +66,16 @@ def render_page(summary: StudySummary, report: StudyReport) -> str:
 <main>
 <section class="stats">{cards}</section>
 <section class="grid">
+  <div class="pictures">
   <figure class="card" id="front">
     <figcaption>Step time against compiled peak memory</figcaption>
     {_picture(_front_svg, report)}
   </figure>
+  <figure class="card" id="layers">
+    <figcaption>The plans on the front, layer by layer</figcaption>
+    {_picture(_layers_svg, report)}
+  </figure>
+  </div>
   <aside class="card" id="ask">
     <h2>Best plan for a budget</h2>
     <p class="hint">The fastest measured plan whose compiled peak fits: what <code>remat-search best</code>
@@ -81,10 +89,6 @@ def render_page(summary: StudySummary, report: StudyReport) -> str:
     </div>
   </aside>
 </section>
-<figure class="card" id="layers">
-  <figcaption>The plans on the front, layer by layer</figcaption>
-  {_picture(_layers_svg, report)}
-</figure>
 </main>
 <footer>JSON: <a href="{e(base)}">{e(base)}</a> · <a href="{e(base)}/pareto">{e(base)}/pareto</a> ·
 <a href="/studies">/studies</a> · API: <a href="/docs">/docs</a></footer>
@@ -95,33 +99,26 @@ def render_page(summary: StudySummary, report: StudyReport) -> str:
 """
 
 
-def _picture(draw: object, report: StudyReport) -> str:
-    """A picture's SVG, or the one line that says why it cannot be drawn here (no matplotlib)."""
+def _picture(draw: Callable[[StudyReport], str], report: StudyReport) -> str:
+    """A picture's SVG, or the line that says why it cannot be drawn here (no matplotlib)."""
     try:
-        return draw(report)  # type: ignore[operator, no-any-return]
-    except SpecError as e:
-        return f"<p class='missing'>{html.escape(str(e))}</p>"
+        pictures.require()
+    except SpecError:
+        return (
+            "<p class='missing'>the pictures need matplotlib, which is not installed: "
+            "pip install 'remat-search[service]'</p>"
+        )
+    return draw(report)
 
 
-# --- PLACEHOLDER until helper PICTURES' remat_search/pictures.py lands on main -------------------
-# Then: `from remat_search.pictures import front_svg, layers_svg`, and these two go.
 def _front_svg(report: StudyReport) -> str:
-    """PLACEHOLDER: ``pictures.front_svg(report, budget=report.budget)``."""
-    timed = report.timed()
-    if not timed:
-        return "<p class='missing'>no plan timed yet</p>"
-    peaks = [t.peak_bytes or 0 for t in timed]
-    times = [t.seconds or 0.0 for t in timed]
-    x = lambda p: 40 + 540 * p / max(peaks)
-    y = lambda s: 330 - 300 * s / max(times)
-    dots = "".join(f"<circle cx='{x(p):.1f}' cy='{y(s):.1f}' r='4' fill='#4c78a8'/>" for p, s in zip(peaks, times))
-    return f"<svg viewBox='0 0 600 360' xmlns='http://www.w3.org/2000/svg'><rect width='600' height='360' fill='#fff'/>{dots}</svg>"
+    return pictures.front_svg(report, budget=report.budget)
 
 
 def _layers_svg(report: StudyReport) -> str:
-    """PLACEHOLDER: ``pictures.layers_svg(report)``."""
-    return "<svg viewBox='0 0 600 120' xmlns='http://www.w3.org/2000/svg'><rect width='600' height='120' fill='#eee'/></svg>"
-# --- end of PLACEHOLDER -------------------------------------------------------------------------
+    return pictures.layers_svg(report)
+
+
 
 
 def _json_for_script(data: object) -> str:
@@ -148,10 +145,12 @@ main{max-width:1320px;margin:0 auto;padding:22px 32px}
 .stat small{font-size:13px;font-weight:400;color:var(--muted);margin-left:8px}
 .bar{height:6px;background:var(--line);border-radius:3px;margin-top:8px;overflow:hidden}
 .bar span{display:block;height:100%;background:var(--accent)}
-.grid{display:grid;grid-template-columns:minmax(0,1.75fr) minmax(300px,1fr);gap:18px;margin-bottom:18px;align-items:start}
+.grid{display:grid;grid-template-columns:minmax(0,1fr) 380px;gap:18px;align-items:start}
+.pictures{display:grid;gap:18px;min-width:0}
+#ask{position:sticky;top:16px}
 .card{margin:0;padding:16px 18px}
 figcaption,h2{font-size:15px;font-weight:650;margin:0 0 10px}
-figure svg{width:100%;height:auto;display:block}
+figure svg{max-width:100%;height:auto;display:block;margin:0 auto}
 .hint{color:var(--muted);font-size:13px;margin:0 0 12px}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;background:#f0f2f6;padding:1px 4px;
 border-radius:4px}
@@ -174,7 +173,7 @@ font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .missing{color:var(--muted)}
 footer{max-width:1320px;margin:0 auto;padding:4px 32px 28px;color:var(--muted);font-size:13px}
 a{color:var(--accent)}
-@media (max-width:900px){.grid{grid-template-columns:1fr}.stats{grid-template-columns:repeat(2,1fr)}}
+@media (max-width:1000px){.grid{grid-template-columns:1fr}#ask{position:static}.stats{grid-template-columns:repeat(2,1fr)}}
 """
 
 _SCRIPT = """

@@ -28,6 +28,7 @@ from .service import env, serve_command, serving
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
+BUDGET = "1100KiB"
 TEAM_SCREENSHOT = Path("/tmp/team/page.png")  # where the people building this look at it
 
 
@@ -62,9 +63,10 @@ def browser() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """``serve`` over a storage holding study ``tiny``, finished by a real (tiny) search: its
-    base URL and the storage."""
+    base URL and the storage. Its budget is near its plans' peaks (no remat's is over it, as in
+    a real study), so that the front fills the picture."""
     url = f"sqlite:///{tmp_path_factory.mktemp('page') / 'studies.db'}"
-    remat_search.run(parse_spec(spec_dict(url, trials=6)))
+    remat_search.run(parse_spec(spec_dict(url, trials=8, budget=BUDGET)))
     with serving(url) as base:
         yield base, url
 
@@ -92,9 +94,10 @@ def test_the_page_shows_the_front_and_answers_a_budget_typed_into_it(browser: An
         assert page.title().startswith("tiny")
         assert page.locator("#front svg").count() == 1 and page.locator("#front svg").is_visible()
         assert page.locator("#layers svg").count() == 1
-        assert page.locator("#progress .value").inner_text().startswith("6")
+        assert page.locator("#progress .value").inner_text() == "8/8"
+        assert page.locator("#eta .value").inner_text() == "finished"
         budget = page.locator("#budget")
-        assert budget.is_visible() and budget.input_value() == "1GiB"  # the study's budget, to start with
+        assert budget.is_visible() and budget.input_value() == BUDGET  # the study's budget, to start with
 
         budget.fill(typed)
         page.locator("#ask-button").click()
