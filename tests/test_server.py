@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,10 @@ def test_health_hides_the_storage_password(postgres_url: str) -> None:
     with serving(with_password) as base:
         answer = request(base + "/health")
     assert answer.json() == {"status": "ok", "storage": postgres_url.replace("postgres@", "postgres:***@")}
+
+
+def test_serve_without_the_service_extra_names_it(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
+    result = cli("serve")
+    assert result.exit_code == 2
+    assert result.stderr == "error: serve: needs fastapi, not installed: pip install 'remat-search[service]'\n"
