@@ -57,6 +57,7 @@ class StudySummary(BaseModel):
     study: str
     budget: int
     device: str
+    """``platform (device kind)`` of the devices that measure it; ``—`` before a worker has."""
     target: str
     """Where its plans run: ``local``, or the TPU topology they are compiled for."""
     complete: int
@@ -96,7 +97,8 @@ def summarize(study: StoredStudy) -> StudySummary:
     return StudySummary(
         study=study.name,
         budget=study.budget or _int(spec.get("budget")) or 0,  # a budget left to the device: once one measures it
-        device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})",
+        # A submitted study's device is the first worker's that measures it.
+        device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})" if study.device else "—",
         target=_target(study.device.get("target") or spec.get("target") or study.attrs.get("target")),
         # Screened-out plans are pruned: finished, though not measured.
         complete=states.get("COMPLETE", 0) + states.get("PRUNED", 0),

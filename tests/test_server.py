@@ -323,7 +323,7 @@ def test_a_spec_posted_with_the_token_is_submitted_once(tmp_path: Path, cli) -> 
         status = request(base + "/studies/posted").json()
         assert (status["done"], status["total"], status["running"], status["eta_seconds"], status["best"]) == (
             0, 6, 0, None, None)
-        assert (status["target"], status["budget"]) == ("local", 2**30)
+        assert (status["target"], status["budget"], status["device"]) == ("local", 2**30, "—")  # no worker yet
         page = request(base + "/studies/posted", headers={"Accept": "text/html"})  # nothing measured yet
         assert page.status == 200 and b"0/6" in page.body
     again = cli("submit", str(tmp_path / "spec.yaml"), "--storage", storage) if (tmp_path / "spec.yaml").write_text(
