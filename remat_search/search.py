@@ -214,13 +214,19 @@ class _Workers:
             finally:
                 started.wait()
             while not self.stop.is_set():
-                asked = self.next()
-                if asked is None:
-                    return
-                if asked == _WAIT:
-                    self.stop.wait(POLL_SECONDS)
-                    continue
-                self.measure(asked, runner)
+                try:
+                    asked = self.next()
+                    if asked is None:
+                        return
+                    if asked == _WAIT:
+                        self.stop.wait(POLL_SECONDS)
+                        continue
+                    self.measure(asked, runner)
+                except optuna.exceptions.UpdateFinishedTrialError as e:
+                    # Another search finished this trial first: it popped the same queued trial
+                    # (optuna's ask races on a plan queued a moment ago), or judged it dead.
+                    # The measurement, if any, is in the cache; the study goes on without it.
+                    logger.warning("note: %s: another search finished it first; going on", e)
         except (_Stopped, threading.BrokenBarrierError):
             pass
         except BaseException as e:  # noqa: BLE001 - raised again by run(), in the main thread

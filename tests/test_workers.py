@@ -159,3 +159,39 @@ def test_workers_auto_is_one_per_two_cores_within_memory_and_bad_counts_are_one_
         result = cli("run", str(write_spec(tmp_path / "bad.yaml", spec_dict(storage_url, **{field: value}))))
         assert result.exit_code == 2 and result.stderr.startswith(f"error: {said}"), result.stderr
     assert not (tmp_path / "studies.db").exists()
+
+
+def test_a_search_goes_on_when_another_search_finishes_its_trial_first(storage_url: str) -> None:
+    """Another search may fail a trial this one is measuring (judged dead while its heartbeat
+    was late, or popped from the queue at the same moment): this search drops that trial and
+    goes on to finish the study with exactly its trials."""
+    spec = parse_spec(spec_dict(
+        storage_url, workload=SLOW, space={"layout": "uniform", "choices": ["none", "full", "dots"]},
+        trials=3, sampler={"kind": "random", "seed": 0}, confirm={"top": 0},
+    ))
+    reports: list[object] = []
+    search = threading.Thread(target=lambda: reports.append(run(spec)))
+    search.start()
+    deadline = time.monotonic() + 300
+    db = Path(storage_url.removeprefix("sqlite:///"))
+    while not db.exists():
+        assert search.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    storage = open_storage(storage_url)  # waits out the search making the tables
+    while True:  # the first trial is being measured (its compile sleeps 1 s)
+        assert search.is_alive() and time.monotonic() < deadline
+        studies = optuna.get_all_study_summaries(storage, include_best_trial=False)
+        running = _trials(storage_url, "tiny") if studies else []
+        running = [t for t in running if t.state == TrialState.RUNNING and PLAN_ATTR in t.user_attrs]
+        if running:
+            break
+        time.sleep(0.05)
+    study_id = storage.get_study_id_from_name("tiny")
+    storage.set_trial_state_values(
+        storage.get_trial_id_from_study_id_trial_number(study_id, running[0].number), state=TrialState.FAIL
+    )
+    search.join(timeout=600)
+    assert reports, "the search raised"
+    trials = _trials(storage_url, "tiny")
+    assert sum(counts(t) for t in trials) == 3
+    assert trials[running[0].number].state == TrialState.FAIL
