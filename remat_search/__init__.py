@@ -4,6 +4,7 @@ The public API::
 
     spec = remat_search.load_spec("search_spaces/demo.yaml")
     report = remat_search.run(spec)                       # search (resumes if interrupted)
+    remat_search.submit(spec)                             # or store it for workers: remat_search.work(url)
     front = remat_search.pareto_front("demo-transformer-cpu")
     best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
     advice = remat_search.plan_for_budget("demo-transformer-cpu", 200 * 2**20)  # predicted
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
     from remat_search.results import StudyReport, TrialResult
     from remat_search.search import plan_for_budget, run
     from remat_search.spec import SearchSpec, load_spec
+    from remat_search.submit import Submitted, submit
     from remat_search.units import parse_bytes
+    from remat_search.worker import work
     from remat_search.workload import Workload, build_workload
 
 _API: dict[str, str] = {
@@ -45,7 +48,9 @@ _API: dict[str, str] = {
     **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.results"),
     **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search"),
     **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec"),
+    **dict.fromkeys(('Submitted', 'submit'), "remat_search.submit"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),
+    **dict.fromkeys(('work',), "remat_search.worker"),
     **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workload"),
 }
 """Each public name and the module that defines it."""
@@ -68,6 +73,7 @@ __all__ = [
     "SpecError",
     "StorageError",
     "StudyReport",
+    "Submitted",
     "TrialResult",
     "Workload",
     "WorkloadError",
@@ -88,6 +94,8 @@ __all__ = [
     "run",
     "scan_layers",
     "solve_front",
+    "submit",
+    "work",
 ]
 
 

@@ -190,9 +190,7 @@ def run(
     """
     from remat_search.spec import load_spec
 
-    if workers is not None and workers != "auto" and not (workers.isdigit() and int(workers) > 0):
-        raise SpecError(f"--workers: expected a positive number of worker processes or auto, got {workers!r}")
-    loaded = load_spec(spec, storage=storage, workers=workers)
+    loaded = load_spec(spec, storage=storage, workers=_workers(workers))
     if loaded.budget is not None:
         output.console.print(output.budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
@@ -219,6 +217,102 @@ def run(
         f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
         f"--budget {size_argument(report.budget)} --json > plan.json", soft_wrap=True,  # a command: one line
     )
+
+
+def _workers(value: str | None) -> str | None:
+    if value is not None and value != "auto" and not (value.isdigit() and int(value) > 0):
+        raise SpecError(f"--workers: expected a positive number of worker processes or auto, got {value!r}")
+    return value
+
+
+@app.command(cls=_Command)
+@_handle_errors
+def submit(
+    spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Search spec (YAML), e.g. search_spaces/demo.yaml.")],
+    storage: RunStorageOption = None,
+) -> None:
+    """Store the spec's study for workers to measure, and return at once.
+
+    The spec is checked as `run` checks it (its workload is built, its space's names are the
+    workload's) and stored with the study, its uniform presets queued first. Any
+    `remat-search worker` on the same storage then measures it, on its own host; `run SPEC`
+    is submit, then work on it until it is finished. Submitting the same spec again changes
+    nothing but its settings (more trials, say); another study of that name is refused.
+    """
+    from remat_search.spec import load_spec
+    from remat_search.submit import submit as submit_study
+
+    _quiet_optuna()
+    done = submit_study(load_spec(spec, storage=storage))
+    said = "submitted study" if done.created else "study"
+    again = "" if done.created else " was already submitted"
+    output.console.print(
+        f"{said} {done.study!r}{again} ({done.done}/{done.total} trials) to {done.storage}", highlight=False,
+        soft_wrap=True, markup=False,
+    )
+
+
+@app.command(cls=_Command)
+@_handle_errors
+def worker(
+    storage: StorageOption = None,
+    workers: Annotated[str, typer.Option(
+        metavar="N|auto", help="Worker processes measuring plans at once, as in `run --workers`."
+    )] = "1",
+    until_idle: Annotated[bool, typer.Option(
+        "--until-idle", help="Exit once no submitted study has work left (default: wait for more)."
+    )] = False,
+    poll: Annotated[float, typer.Option(
+        min=0.1, metavar="SECONDS", help="How often an idle worker looks for new studies."
+    )] = 5.0,
+) -> None:
+    """Measure submitted studies until stopped: the service's worker, one or more per host.
+
+    Takes the oldest study with trials left to take, measures it exactly as `run` would
+    (the same guarantees: no plan measured twice at once, exactly `trials` finished however
+    many workers and hosts share it, dead hosts' trials queued again by heartbeat), then the
+    next. A study this host cannot measure (another device kind measures it) is left to others.
+
+    Logs one JSON line per trial on stdout: study, trial, plan, status, peak_bytes, seconds.
+    Ctrl-C or SIGTERM fail the trial in hand as interrupted and queue its plan again (another
+    worker takes it), and say so; SIGTERM exits 0, Ctrl-C 130.
+    """
+    import signal
+
+    from remat_search.store import resolve_url
+    from remat_search.worker import work
+
+    _quiet_optuna()
+    url = resolve_url(storage)
+    in_hand: dict[tuple[str, int], str] = {}
+    stopped_by: list[str] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        key = (event.get("study", ""), event.get("trial", -1))
+        if event["event"] == "measuring":
+            in_hand[key] = event["plan"]
+            return
+        in_hand.pop(key, None)
+        _print(json.dumps(event, default=str))
+
+    def terminate(signum: int, _: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        with _notes():
+            work(url, workers=_workers(workers) or 1, until_idle=until_idle, poll=poll, on_event=on_event)
+    except KeyboardInterrupt:
+        why = stopped_by[0] if stopped_by else "SIGINT"
+        requeued = ", ".join(f"trial {n} of {s!r} ({plan})" for (s, n), plan in sorted(in_hand.items()))
+        output.errors.print(
+            f"worker: stopped by {why}; "
+            + (f"{requeued}: failed as interrupted, its plan queued again for any worker" if requeued
+               else "no trial was in hand"),
+            markup=False, highlight=False, soft_wrap=True,
+        )
+        raise typer.Exit(0 if stopped_by else 130) from None
 
 
 def _search(loaded: Any) -> Any:

@@ -16,7 +16,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import optuna
 from optuna.trial import TrialState
@@ -39,7 +39,6 @@ from remat_search.plan import RematPlan
 from remat_search.planner import (
     Advice,
     advise,
-    check_sampler,
     make_sampler,
     measured_trial,
     record_prediction,
@@ -55,11 +54,9 @@ from remat_search.store import (
     CACHED_ATTR,
     FAILURE_ATTR,
     LABELS_ATTR,
-    LAYERS_ATTR,
     MEASUREMENT_ATTR,
     PLAN_ATTR,
     PREDICTION_ATTR,
-    QUEUED_ATTR,
     REUSED_ATTR,
     check_storage,
     load_study,
@@ -76,13 +73,14 @@ from remat_search.study import (
     ProgressCallback,
     changed_settings,
     finished_trials,
+    identity_error,
     resolve_budget,
     resolve_workers,
     runner_for,
     spec_of_study,
 )
-from remat_search.units import format_bytes, size_argument
-from remat_search.workload import build_workload
+from remat_search.submit import check, check_identity, load_or_create, prepare
+from remat_search.units import format_bytes
 
 logger = logging.getLogger("remat_search")
 BUDGET_CONSTRAINT = "budget"
@@ -99,10 +97,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     """
     tell = on_progress or (lambda _: None)
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
-    workload = build_workload(spec.workload)
-    space = Space.of(spec.space, workload.layers)
-    space.check_names(workload.tensor_names)
-    check_sampler(spec.sampler)
+    space = check(spec)
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
         device = runners[0].describe()  # the others start in their threads
@@ -435,31 +430,10 @@ def _open_study(
         "budget": budget,
         "device": device.model_dump(include=set(DEVICE_IDENTITY)),
     }
-    existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    if spec.study not in existing:
-        try:
-            optuna.create_study(study_name=spec.study, storage=storage, directions=["minimize", "minimize"])
-        except optuna.exceptions.DuplicatedStudyError:
-            pass  # another process created it a moment ago
-    study = optuna.load_study(study_name=spec.study, storage=storage)
-    if not study.user_attrs.get(INITIALIZED_ATTR):  # new, or killed while being set up
-        for key, value in identity.items():
-            study.set_user_attr(key, value)
-        study.set_user_attr("device_info", device.model_dump())
-        study.set_user_attr(LAYERS_ATTR, space.layers)
-        queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]
-        for params in space.presets():
-            if params not in queued:
-                enqueue(study, params)
-        study.set_user_attr(INITIALIZED_ATTR, True)
-    for key, value in identity.items():
-        if study.user_attrs.get(key) != value:
-            stored = study.user_attrs.get(key)
-            shown = size_argument(stored) if key == "budget" and isinstance(stored, int) else json.dumps(stored)[:160]
-            raise SpecError(
-                f"spec.{'target' if key == 'device' else key}: study {spec.study!r} already exists "
-                f"with another {key} ({shown}); give this search a new study name"
-            )
+    study, _ = load_or_create(spec.study, storage)
+    check_identity(spec, study)
+    if study.user_attrs.get(INITIALIZED_ATTR):  # refused before anything is written
+        _check_device_identity(spec.study, study, identity)
     settings = spec.model_dump(mode="json", include=set(SETTINGS_FIELDS))
     changed = changed_settings(study.user_attrs.get(SETTINGS_ATTR, {}), settings)
     for name in FIXED_SETTINGS:
@@ -469,6 +443,13 @@ def _open_study(
                 f"{json.dumps(changed[name][0])}, and its trials would not compare with ones measured with "
                 f"{json.dumps(changed[name][1])}; set it back, or give this search a new study name"
             )
+    prepare(spec, study, space)
+    if not study.user_attrs.get(INITIALIZED_ATTR):  # new, submitted, or killed while being set up
+        for key, value in identity.items():
+            study.set_user_attr(key, value)
+        study.set_user_attr("device_info", device.model_dump())
+        study.set_user_attr(INITIALIZED_ATTR, True)
+        _check_device_identity(spec.study, study, identity)  # another worker's, set at the same moment, wins
     for name, (old, new) in changed.items():
         logger.warning(
             "note: spec.%s changed from %s to %s since study %r was last searched: allowed, its trials "
@@ -480,6 +461,13 @@ def _open_study(
         spec.sampler, space=space, budget=budget, offset=len(study.get_trials(deepcopy=False))
     )
     return study
+
+
+def _check_device_identity(name: str, study: optuna.Study, identity: dict[str, Any]) -> None:
+    """Refuse a study whose identity, the device that measures it included, is not ``identity``."""
+    for key, value in identity.items():
+        if study.user_attrs.get(key) != value:
+            raise identity_error(name, key, study.user_attrs.get(key))
 
 
 def _plan_of(study: optuna.Study, number: int) -> str | None:

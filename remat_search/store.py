@@ -44,6 +44,9 @@ QUEUED_ATTR = "queued_params"
 keeps only in a private system attribute, before its parameters are suggested."""
 # Study user attributes.
 LAYERS_ATTR = "layers"
+SPEC_ATTR = "spec"
+"""The spec a study was last submitted or searched with, without its storage URL: what a
+worker needs to measure it (``submit.spec_of_submitted``)."""
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"

@@ -7,6 +7,7 @@ The orchestration that the search, confirmation and the planner share, below all
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any, Literal
@@ -21,7 +22,7 @@ from remat_search.liveness import counts
 from remat_search.results import TrialResult
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.spec import SearchSpec, parse_spec, storage_home
-from remat_search.units import format_bytes
+from remat_search.units import format_bytes, size_argument
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
@@ -86,6 +87,15 @@ def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> Search
     data.update(study=study.study_name, storage=storage, trials=max(1, finished_trials(study)))
     data.update(overrides)
     return parse_spec(data)
+
+
+def identity_error(study: str, key: str, stored: Any) -> SpecError:
+    """The error for a spec whose ``key`` (an identity field) is not ``stored``, the study's."""
+    shown = size_argument(stored) if key == "budget" and isinstance(stored, int) else json.dumps(stored)[:160]
+    return SpecError(
+        f"spec.{'target' if key == 'device' else key}: study {study!r} already exists "
+        f"with another {key} ({shown}); give this search a new study name"
+    )
 
 
 def resolve_budget(budget: int | None, device: DeviceInfo) -> int:

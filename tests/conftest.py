@@ -21,8 +21,8 @@ from typing import Any
 # assignment, before LLVM) are byte-for-byte the same, and no test judges compute speed.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
-import optuna  # noqa: E402 - after XLA_FLAGS, which XLA reads when it starts
-import pytest  # noqa: E402
+import optuna  # after XLA_FLAGS, which XLA reads when it starts
+import pytest
 import yaml
 from typer.testing import CliRunner
 

@@ -1,0 +1,114 @@
+"""`submit` stores a study and measures nothing; `worker` measures whatever was submitted,
+logs a JSON line a trial, leaves alone what its host cannot measure, and on SIGTERM puts the
+trial in hand back."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from remat_search import submit
+from remat_search.spec import parse_spec
+from remat_search.submit import METRIC_NAMES, spec_of_submitted
+from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
+
+SMALL = {"trials": 3, "space": {"layout": "uniform", "choices": ["none", "full", "dots"]}, "confirm": {"top": 0}}
+
+
+def _study(url: str, name: str = "tiny") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=url)
+
+
+def test_submit_stores_the_study_and_measures_nothing(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, **SMALL))
+    result = cli("submit", str(spec))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout == f"submitted study 'tiny' (0/3 trials) to {storage_url}\n"
+    study = _study(storage_url)
+    assert [t.state for t in study.get_trials()] == [TrialState.WAITING] * 3  # the presets, queued
+    assert study.metric_names == list(METRIC_NAMES)
+    assert spec_of_submitted(study, storage_url).model_dump() == parse_spec(spec_dict(storage_url, **SMALL)).model_dump()
+
+    again = cli("submit", str(spec))
+    assert again.exit_code == 0 and again.stdout == f"study 'tiny' was already submitted (0/3 trials) to {storage_url}\n"
+    assert len(study.get_trials()) == 3  # the presets queued once
+
+
+def test_submit_refuses_another_study_of_the_name_and_writes_nothing(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    assert cli("submit", str(write_spec(tmp_path / "a.yaml", spec_dict(storage_url, **SMALL)))).exit_code == 0
+    db = Path(storage_url.removeprefix("sqlite:///"))
+    before = db.read_bytes()
+    other = {**SMALL, "space": {"layout": "uniform", "choices": ["none", "full"]}}
+    result = cli("submit", str(write_spec(tmp_path / "b.yaml", spec_dict(storage_url, **other))))
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "spec.space: study 'tiny' already exists with another space" in result.stderr
+    assert db.read_bytes() == before
+
+
+def test_submit_with_a_bad_workload_writes_nothing(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    spec = spec_dict(storage_url, **SMALL, workload={"factory": "tests.workloads:failing_factory"})
+    result = cli("submit", str(write_spec(tmp_path / "spec.yaml", spec)))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "workload" in result.stderr
+    assert not Path(storage_url.removeprefix("sqlite:///")).exists()
+
+
+def test_a_worker_measures_what_was_submitted_and_logs_a_line_a_trial(tmp_path: Path, storage_url: str) -> None:
+    done = submit(parse_spec(spec_dict(storage_url, **SMALL)))
+    assert done.created and (done.done, done.total) == (0, 3)
+    worker = run_process("worker", "--storage", storage_url, "--until-idle", stderr=subprocess.PIPE)
+    stdout, stderr = worker.communicate(timeout=600)
+    assert worker.returncode == 0, stdout + stderr
+    events = [json.loads(line) for line in stdout.splitlines()]
+    trials = [e for e in events if e["event"] == "trial"]
+    assert [(e["study"], e["trial"], e["plan"], e["status"]) for e in trials] == [
+        ("tiny", 0, "none×2", "measured"), ("tiny", 1, "full×2", "measured"), ("tiny", 2, "dots×2", "measured"),
+    ]
+    assert [e["done"] for e in trials] == [1, 2, 3] and all(e["peak_bytes"] > 0 and e["seconds"] > 0 for e in trials)
+    assert events[0] == {"event": "study", "study": "tiny", "done": 0, "total": 3}
+    study = _study(storage_url)
+    peaks = {t.number: int(t.values[1]) for t in study.get_trials(states=(TrialState.COMPLETE,))}
+    assert peaks == {e["trial"]: e["peak_bytes"] for e in trials}
+
+
+def test_a_worker_leaves_alone_a_study_its_host_cannot_measure(tmp_path: Path, storage_url: str) -> None:
+    submit(parse_spec(spec_dict(storage_url, **SMALL, budget=None)))  # a CPU reports no memory to default to
+    worker = run_process("worker", "--storage", storage_url, "--until-idle", stderr=subprocess.PIPE)
+    stdout, stderr = worker.communicate(timeout=300)
+    assert worker.returncode == 0, stdout + stderr
+    events = [json.loads(line) for line in stdout.splitlines()]
+    assert [e["event"] for e in events] == ["study", "left"]
+    assert events[1]["reason"].startswith("spec.budget: required here: cpu reports no memory limit")
+    assert len(_study(storage_url).get_trials(states=(TrialState.WAITING,))) == 3  # left for another worker
+
+
+def test_sigterm_puts_the_trial_in_hand_back_and_exits_0(tmp_path: Path, storage_url: str) -> None:
+    started = tmp_path / "hanging"
+    submit(parse_spec(spec_dict(
+        storage_url, trials=2, space={"layout": "uniform", "choices": ["none", "full"]}, confirm={"top": 0},
+        workload={"factory": "tests.workloads:hanging", "args": {"started": str(started)}},
+        timing={**FAST_TIMING, "timeout": "300s"},
+    )))
+    worker = run_process("worker", "--storage", storage_url, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not started.exists():  # a trial's step is running (and hangs)
+        assert worker.poll() is None, worker.communicate()
+        assert time.monotonic() < deadline, "no step ran"
+        time.sleep(0.2)
+    worker.send_signal(signal.SIGTERM)
+    stdout, stderr = worker.communicate(timeout=120)
+    assert worker.returncode == 0, stdout + stderr
+    assert stderr.splitlines() == [
+        "worker: stopped by SIGTERM; trial 0 of 'tiny' (none×3): failed as interrupted, its plan queued again "
+        + "for any worker"
+    ], stderr
+    trials = _study(storage_url).get_trials()
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["failure"] == "interrupted"
+    waiting = [t.user_attrs["queued_params"] for t in trials if t.state == TrialState.WAITING]
+    assert trials[0].params in waiting
