@@ -250,18 +250,28 @@ def _wait_until_finished(api: str, study: str, workers: list[Service], timeout: 
         time.sleep(1)
 
 
-def _trial_lines(worker: Service) -> list[dict[str, Any]]:
+def _events(worker: Service, event: str) -> list[dict[str, Any]]:
+    """The worker's log lines (one JSON object a line) of this ``event``."""
     lines = (json.loads(line) for line in worker.output().splitlines() if line.startswith("{"))
-    return [line for line in lines if line.get("event") == "trial"]
+    return [line for line in lines if line.get("event") == event]
+
+
+def _wait_until_idle(workers: list[Service], timeout: float = 180) -> None:
+    """Until every worker has said it is idle: up, its storage reached, nothing to do."""
+    deadline = time.monotonic() + timeout
+    while not all(_events(w, "idle") for w in workers):
+        for worker in workers:
+            worker.alive()
+        assert time.monotonic() < deadline, [w.output()[-2000:] for w in workers]
+        time.sleep(0.5)
 
 
 @pytest.fixture
 def compose_storage(postgres_server: str) -> Iterator[str]:
     """The loopback PostgreSQL server, holding compose's database (its name from compose.yaml)."""
     services = interpolate(compose()["services"], {"REMAT_SEARCH_TOKEN": TOKEN})
-    server = make_url(postgres_server)
     create_database(postgres_server, services["postgres"]["environment"]["POSTGRES_DB"])
-    yield server.render_as_string(hide_password=False)
+    yield postgres_server
 
 
 def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path: Path) -> None:
@@ -269,7 +279,7 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
     its peak is what ``show`` says; SIGTERM stops each worker with exit code 0."""
     env = {"REMAT_SEARCH_TOKEN": TOKEN}
     services = interpolate(compose()["services"], env)
-    storage = local([services["worker"]["command"][-1]], compose_storage)[0]
+    (storage,) = local([arg for arg in services["worker"]["command"] if "://" in arg], compose_storage)
     home = {"REMAT_SEARCH_HOME": str(tmp_path / "home")}
     cli = [sys.executable, "-m", "remat_search.cli"]
     api_port, dashboard_port = _free_port(), _free_port()
@@ -293,7 +303,10 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
             tmp_path / "dashboard.log",
         ))
         serve.wait_for_http(f"{api}/health")
-        health = [arg.replace("127.0.0.1:8000", f"127.0.0.1:{api_port}") for arg in services["api"]["healthcheck"]["test"][1:]]
+        _wait_until_idle(workers)
+        kind, python, *health = services["api"]["healthcheck"]["test"]
+        assert (kind, python) == ("CMD", "python")
+        health = [sys.executable, *(arg.replace(":8000/", f":{api_port}/") for arg in health)]
         assert subprocess.run(health, capture_output=True, check=False).returncode == 0  # compose's healthcheck, here
 
         spec = spec_dict(storage, trials=4, confirm={"top": 0, "rounds": 2, "presets": False})
@@ -311,8 +324,11 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
         status, best = http("GET", f"{api}/studies/tiny/best?budget=1GiB")
         assert status == 200, best
         plan = RematPlan.from_json(best.decode())
-        trials = [TrialResult.model_validate_json(http("GET", f"{api}/studies/tiny/trials/{n}")[1]) for n in range(4)]
-        (answer_trial,) = [t for t in trials if t.plan == plan and t.reused_from is None]
+        trials = []
+        while (got := http("GET", f"{api}/studies/tiny/trials/{len(trials)}"))[0] == 200:
+            trials.append(TrialResult.model_validate_json(got[1]))
+        assert len(trials) >= 4, got
+        (answer_trial,) = [t for t in trials if t.plan == plan and t.status == "measured" and t.reused_from is None]
 
         shown = subprocess.run(
             [*cli, "show", "--study", "tiny", "--storage", storage, "--trial", str(answer_trial.number)],
@@ -327,7 +343,7 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
         )
         assert best_cli.stdout.strip() == best.decode().strip(), best_cli.stderr  # exactly what `best --json` prints
 
-        logged = [_trial_lines(w) for w in workers]
+        logged = [_events(w, "trial") for w in workers]
         assert sorted(line["trial"] for lines in logged for line in lines) == [0, 1, 2, 3], logged
         assert {line["study"] for lines in logged for line in lines} == {"tiny"}
 
