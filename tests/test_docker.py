@@ -11,6 +11,7 @@ finish the study, and the API answers ``best`` with a plan whose peak is what ``
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -180,6 +181,25 @@ def test_every_path_the_dockerfile_copies_exists() -> None:
         assert not copy.flags, copy  # nothing from another stage or image
         for source in copy.value[:-1]:
             assert (context / source).exists(), source
+
+
+def _ignored(path: str) -> bool:
+    """Whether docker/Dockerfile.dockerignore leaves ``path`` out of the build context (its
+    patterns in order, the last that matches decides; ``!`` lets a path back in)."""
+    lines = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    ignored = False
+    for line in (raw.strip() for raw in lines):
+        if line and not line.startswith("#"):
+            pattern = line.removeprefix("!")
+            if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path, pattern.removeprefix("**/")):
+                ignored = not line.startswith("!")
+    return ignored
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_not_the_storage() -> None:
+    sources = [source for i in instructions() if i.cmd == "COPY" for source in i.value[:-1]]
+    assert [s for s in sources if _ignored(s.rstrip("/"))] == []
+    assert _ignored("storage") and _ignored("benchmarks") and _ignored("remat_search/__pycache__")
 
 
 def _remat_search_commands() -> dict[str, set[str]]:
