@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -365,31 +364,61 @@ def _print(*lines: str, console: Any = None) -> None:
         (console or output.console).print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+PlotOption = Annotated[Path | None, typer.Option(metavar="FILE", show_default=False, help=(
+    "Also draw the study to this file, in the format its suffix names: .png, .svg or .html (a standalone "
+    "page). Needs the plot extra: pip install 'remat-search[plot]'."
+))]
+
+
+def _plot_path(plot: Path | None) -> Path | None:
+    """``--plot``'s file, checked before the study is read (matplotlib, suffix, folder)."""
+    if plot is None:
+        return None
+    from remat_search import pictures
+
+    pictures.require()
+    return pictures.check_path(plot)
+
+
+def _draw(report: Any, plot: Path, *, layers: bool) -> None:
+    """Write ``report``'s front (and, with ``layers`` or to an .html page, its front's plans
+    layer by layer) to ``plot``, and say so on stderr."""
+    from remat_search import pictures
+
+    figures = [pictures.front_figure(report)]
+    if layers or plot.suffix.lower() == ".html":
+        figures.append(pictures.layers_figure(report))
+    output.errors.print(f"wrote {pictures.save(figures, plot)}", markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command()
 @_handle_errors
 def pareto(
     study: StudyOption,
     storage: StorageOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the front as JSON.")] = False,
-    plot: Annotated[Path | None, typer.Option(metavar="FILE", help="Also write a PNG of time vs memory here.")] = None,
+    plot: PlotOption = None,
 ) -> None:
-    """Show the Pareto front: no other plan is both faster and smaller."""
-    from remat_search.report import plot_report
+    """Show the Pareto front: no other plan is both faster and smaller.
+
+    --plot draws it: step time against compiled peak, every timed plan (presets, planner
+    proposals, other sampled plans and confirmed plans by marker), the front as a step line,
+    the budget line with the plan `best` returns for it starred, and the plans over budget,
+    never run, on a strip above at their compiled peaks. An .html page adds the plans on the
+    front layer by layer.
+    """
     from remat_search.stored import open_study
 
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise SpecError("--plot: drawing needs matplotlib, which is not installed: pip install 'remat-search[plot]'")
-    if plot is not None and not plot.parent.is_dir():
-        raise SpecError(f"--plot: directory {str(plot.parent)!r} does not exist")
+    path = _plot_path(plot)
     with open_study(_study(study), storage) as stored:
-        report = stored.report() if plot is not None else None
+        report = stored.report() if path is not None else None
         front = list(report.front) if report is not None else stored.front()
     if as_json:
         print(json.dumps([t.model_dump(mode="json") for t in front], indent=2))
     else:
         output.console.print(output.front_table(stored.name, stored.budget, front))
-    if report is not None:
-        output.errors.print(f"wrote {plot_report(report, plot)}")  # type: ignore[arg-type]
+    if report is not None and path is not None:
+        _draw(report, path, layers=False)
 
 
 @app.command()
@@ -501,23 +530,33 @@ def show(
     study: StudyOption,
     trial: Annotated[int | None, typer.Option(metavar="N", help="Show this trial in full.")] = None,
     storage: StorageOption = None,
+    plot: PlotOption = None,
 ) -> None:
-    """Every trial of a study, or one trial in full."""
+    """Every trial of a study, or one trial in full.
+
+    --plot draws the study: the front (as `pareto --plot` does) and, under it, the plans on
+    the front layer by layer (a row a plan with its step time and peak, a column a layer,
+    coloured by policy); .png and .svg stack both in one picture.
+    """
     from remat_search.stored import open_study
 
+    path = _plot_path(plot)
     with open_study(_study(study), storage) as stored:
+        report = stored.report() if path is not None else None
         if trial is None:
-            trials = stored.trials()
+            trials = list(report.trials) if report is not None else stored.trials()
         else:
             found, count = stored.trial(trial), stored.count()
-    if trial is None:
-        output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
-        return
-    if found is None:
+    if trial is not None and found is None:
         total = sum(count.values())
         have = f"trials 0..{total - 1}" if total else "no trials yet"
         raise SpecError(f"--trial: study {stored.name!r} has no trial {trial} (it has {have})")
-    output.console.print(output.describe_trial(found), highlight=False)
+    if trial is None:
+        output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
+    else:
+        output.console.print(output.describe_trial(found), highlight=False)
+    if report is not None and path is not None:
+        _draw(report, path, layers=True)
 
 
 def _quiet_optuna() -> None:

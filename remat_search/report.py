@@ -1,4 +1,4 @@
-"""Reading a study back: the Pareto front, the best plan under any budget, summaries, a plot.
+"""Reading a study back: the Pareto front, the best plan under any budget, summaries.
 
 Everything here reads storage and never writes it, so queries are cheap and safe to run
 beside a search: straight from optuna's tables (``stored.py``), without importing optuna or
@@ -9,8 +9,6 @@ whose compiled peak fits it, which is on that front.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -80,54 +78,3 @@ def _summary(study: StoredStudy) -> StudySummary:
         fastest_seconds=fastest.seconds if fastest else None,
         estimated=study.device.get("executes") is False,
     )
-
-
-def plot_report(report: StudyReport, path: str | Path) -> Path:
-    """Write a PNG of step time vs peak memory: timed plans, the front, the budget line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    peaks = [t.peak_bytes for t in report.trials if t.peak_bytes] + [report.budget]
-    unit, scale = ("GiB", 2**30) if max(peaks) > 4 * 2**30 else ("MiB", 2**20)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    timed = report.timed()
-    ax.scatter([t.peak_bytes / scale for t in timed], [t.seconds * 1e3 for t in timed],
-               s=18, color="0.6", label="timed plans")
-    confirmed = [t for t in timed if t.time_source == "confirmed"]
-    if confirmed:
-        ax.scatter([t.peak_bytes / scale for t in confirmed], [t.seconds * 1e3 for t in confirmed],
-                   s=60, facecolors="none", edgecolors="tab:green", label="confirmed (re-timed)")
-    front = list(report.front)
-    ax.plot([t.peak_bytes / scale for t in front], [t.seconds * 1e3 for t in front],
-            "o-", color="tab:blue", label="Pareto front")
-    for t in timed:
-        if t.plan is not None and t.plan.is_uniform:  # a uniform preset: name it
-            ax.annotate(t.labels[0] if t.labels else str(t.plan.layers[0]),
-                        (t.peak_bytes / scale, t.seconds * 1e3),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
-    over = [t for t in report.trials if t.status == "over_budget" and t.reused_from is None]
-    compiled = [t for t in over if t.measurement is not None and t.measurement.compiled]
-    top = ax.get_ylim()[1]
-    if compiled:
-        ax.scatter([t.peak_bytes / scale for t in compiled], [top] * len(compiled), marker="x",
-                   color="tab:red", label="over budget (compiled, never run)")
-    screened = [t for t in over if t not in compiled and t.peak_bytes is not None]
-    if screened:  # a prediction, not a measurement: apart, and labelled as one
-        ax.scatter([t.peak_bytes / scale for t in screened], [top] * len(screened), marker="4",
-                   color="0.5", label="screened out: predicted peak, never compiled")
-    if report.budget:
-        ax.axvline(report.budget / scale, color="tab:red", linestyle="--", label="budget")
-    ax.set_xlabel(f"compiled peak memory per device ({unit})")
-    estimated = report.device.get("executes") is False
-    ax.set_ylabel("estimated step time (ms, roofline)" if estimated
-                  else "step time (ms): confirmed where re-timed, else the search's")
-    ax.set_title(f"{report.study} on {report.device.get('platform', '?')} "
-                 f"({report.device.get('device_kind', '?')}): step time vs peak memory")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path

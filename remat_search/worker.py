@@ -23,9 +23,11 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.errors import RematSearchError, RunError
+from remat_search.liveness import heartbeat_storage_options, recover
 from remat_search.results import TrialResult
 from remat_search.search import run
-from remat_search.store import SPEC_ATTR, check_storage, open_storage, translate_errors
+from remat_search.space import Space
+from remat_search.store import LAYERS_ATTR, SPEC_ATTR, check_storage, open_storage, translate_errors
 from remat_search.study import Progress, finished_trials
 from remat_search.submit import spec_of_submitted
 
@@ -82,20 +84,37 @@ def work(
 
 def unfinished(storage: str) -> list[str]:
     """Studies of ``storage`` that were submitted (have a stored spec) and have work left to
-    take: fewer finished plus running trials than their spec's ``trials``; oldest first."""
+    take: fewer finished plus running trials than their spec's ``trials``, once running trials
+    whose process or host died are taken back (:func:`liveness.recover`); oldest first."""
     opened = open_storage(storage)
     names = []
     with translate_errors(storage):
         summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
         for summary in sorted(summaries, key=lambda s: opened.get_study_id_from_name(s.study_name)):
-            spec = summary.user_attrs.get(SPEC_ATTR)
-            if not isinstance(spec, dict):
-                continue
+            total = summary.user_attrs.get(SPEC_ATTR, {}).get("trials", 0)
             study = optuna.load_study(study_name=summary.study_name, storage=opened)
-            running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
-            if finished_trials(study) + running < spec.get("trials", 0):
+            done = finished_trials(study)
+            if done < total <= done + _running(study):
+                _recover(study, storage)  # work is left only if a running trial is dead
+                study = optuna.load_study(study_name=summary.study_name, storage=opened)
+            if done + _running(study) < total:
                 names.append(summary.study_name)
     return names
+
+
+def _running(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
+def _recover(study: optuna.Study, storage: str) -> None:
+    """Take back ``study``'s dead running trials, with its own heartbeat settings."""
+    spec = spec_of_submitted(study, storage)
+    space = Space.of(spec.space, study.user_attrs[LAYERS_ATTR])
+    beating = open_storage(storage, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params))
+    recover(
+        optuna.load_study(study_name=study.study_name, storage=beating), beating,
+        n_params=space.n_params, grace=spec.heartbeat.grace,
+    )
 
 
 def trial_event(study: str, t: TrialResult, done: int, total: int) -> Event:

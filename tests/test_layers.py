@@ -33,7 +33,7 @@ LAYERS: list[set[str]] = [
     {"confirm"},
     {"search"},
     {"report", "doctor", "worker"},
-    {"output"},
+    {"output", "pictures"},
     {"cli"},
     {"__init__"},
 ]

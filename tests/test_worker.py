@@ -112,3 +112,30 @@ def test_sigterm_puts_the_trial_in_hand_back_and_exits_0(tmp_path: Path, storage
     assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["failure"] == "interrupted"
     waiting = [t.user_attrs["queued_params"] for t in trials if t.state == TrialState.WAITING]
     assert trials[0].params in waiting
+
+
+def test_a_study_whose_last_trial_died_with_its_worker_is_finished_by_another(storage_url: str) -> None:
+    """Finished plus running trials reach ``trials``, but the running one is dead: a worker
+    looking for work takes it back (by pid here; by heartbeat from another host)."""
+    submit(parse_spec(spec_dict(
+        storage_url, **{**SMALL, "trials": 2, "space": {"layout": "uniform", "choices": ["none", "full"]}}
+    )))
+    first = run_process("worker", "--storage", storage_url, stderr=subprocess.DEVNULL)
+    assert first.stdout is not None
+    assert json.loads(first.stdout.readline())["event"] == "study"
+    assert json.loads(first.stdout.readline())["trial"] == 0
+    deadline = time.monotonic() + 300
+    while not _study(storage_url).get_trials(states=(TrialState.RUNNING,)):  # trial 1, in its hands
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    first.kill()
+    first.communicate()
+    study = _study(storage_url)
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE, TrialState.RUNNING]
+
+    second = run_process("worker", "--storage", storage_url, "--until-idle", stderr=subprocess.PIPE)
+    stdout, stderr = second.communicate(timeout=600)
+    assert second.returncode == 0, stdout + stderr
+    assert [json.loads(line)["plan"] for line in stdout.splitlines() if '"trial"' in line] == ["full×2"]
+    states = [t.state for t in _study(storage_url).get_trials()]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]  # the dead one failed, its plan redone
