@@ -140,7 +140,8 @@ def test_dockerfile_builds_from_slim_python_with_the_cli_as_entrypoint() -> None
     assert args["TARGET"] == "cpu"
     entrypoint = only("ENTRYPOINT")
     assert entrypoint.json and entrypoint.value == ("remat-search",)
-    assert only("USER").value == ("remat",)  # not root
+    assert only("USER").value == ("1000:1000",)  # not root
+    assert "useradd --create-home --uid 1000 --gid 1000 remat" in " ".join(i.value[0] for i in instructions() if i.cmd == "RUN")
 
 
 def test_the_storage_home_is_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
