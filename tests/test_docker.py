@@ -184,6 +184,18 @@ def test_every_path_the_dockerfile_copies_exists() -> None:
             assert (context / source).exists(), source
 
 
+def test_the_package_the_image_installs_is_its_modules() -> None:
+    """The image installs the package (``pip install .``, not editable), and setuptools packs
+    ``packages = ["remat_search"]`` as its modules only: a data file beside them (a template, a
+    stylesheet) would be missing in the image unless pyproject declares it as package data."""
+    tracked = subprocess.run(["git", "ls-files", "remat_search"], cwd=REPO, capture_output=True, text=True, check=True)
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = setuptools.get("package-data", {}).get("remat_search", [])
+    assert setuptools["packages"] == ["remat_search"]
+    others = [f for f in tracked.stdout.split() if not f.endswith(".py")]
+    assert [f for f in others if not any(fnmatch.fnmatch(f.removeprefix("remat_search/"), d) for d in declared)] == []
+
+
 def _ignored(path: str) -> bool:
     """Whether docker/Dockerfile.dockerignore leaves ``path`` out of the build context (its
     patterns in order, the last that matches decides; ``!`` lets a path back in)."""
