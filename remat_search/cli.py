@@ -414,7 +414,7 @@ def pareto(
         report = stored.report() if path is not None else None
         front = list(report.front) if report is not None else stored.front()
     if as_json:
-        print(json.dumps([t.model_dump(mode="json") for t in front], indent=2))
+        print(output.front_json(front))
     else:
         output.console.print(output.front_table(stored.name, stored.budget, front))
     if report is not None and path is not None:
@@ -591,6 +591,71 @@ def doctor(
     output.console.print(output.doctor_table(checks))
     if any(c.status == "fail" for c in checks):
         raise typer.Exit(1)
+
+
+TOKEN_ENV = "REMAT_SEARCH_TOKEN"
+
+
+@app.command(cls=_Command)
+@_handle_errors
+def serve(
+    storage: StorageOption = None,
+    host: Annotated[str, typer.Option(metavar="ADDRESS", help="Address to listen on. Beyond loopback (127.0.0.1, ::1, localhost) only with a token.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, metavar="PORT", help="Port to listen on.")] = 8000,
+    token: Annotated[str | None, typer.Option(
+        metavar="TOKEN", envvar=TOKEN_ENV, show_default=False,
+        help=f"Bearer token that writes (POST /studies) need; also from ${TOKEN_ENV}. Without one, writes are off.",
+    )] = None,
+) -> None:
+    """Serve the storage's studies over HTTP (FastAPI; the API's schema at /docs).
+
+    Reads answer as the commands do: GET /studies, /studies/NAME (progress, estimated time to
+    finish, best plan so far; in a browser, the study's page with its front and a box to ask
+    for a budget), /studies/NAME/pareto, /studies/NAME/trials/N, and
+    /studies/NAME/best?budget=14GiB, which returns what `best --json` prints (404 naming the
+    smallest peak measured when nothing fits). POST /studies submits a spec (YAML or JSON) as
+    `submit` does, to this storage.
+
+    Token rule: writes need the header Authorization: Bearer TOKEN (401 without it), and are
+    off (403) when the server has no token; beyond loopback it listens only with a token.
+
+    Example (the demo's plan for 38 MiB, then a search submitted):
+
+    \b
+      export REMAT_SEARCH_TOKEN=$(openssl rand -hex 16)
+      remat-search serve &
+      curl 'http://127.0.0.1:8000/studies/demo-transformer-cpu/best?budget=38MiB'
+      curl -H "Authorization: Bearer $REMAT_SEARCH_TOKEN" \\
+           -H 'Content-Type: application/yaml' --data-binary @spec.yaml \\
+           http://127.0.0.1:8000/studies
+    """
+    import importlib.util
+    import ipaddress
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecError(f"serve: needs {' and '.join(missing)}, not installed: pip install 'remat-search[service]'")
+    token = token or None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may stand for any address
+    if not loopback and token is None:
+        raise SpecError(
+            f"--host: {host!r} is beyond loopback: a service others can reach needs a token (--token, or "
+            f"${TOKEN_ENV}); or listen on 127.0.0.1"
+        )
+    import uvicorn
+
+    from remat_search.server import make_app
+    from remat_search.store import check_storage, shown_url
+
+    check_storage(storage, create=True)  # a malformed URL is bad input, said before listening
+    output.errors.print(
+        f"serving {shown_url(storage)} on http://{host}:{port} (writes {'need the token' if token else 'off: no token'})",
+        markup=False, highlight=False, soft_wrap=True,
+    )
+    uvicorn.run(make_app(storage, token=token), host=host.strip("[]"), port=port, log_level="info")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from remat_search.units import format_bytes, format_seconds
+from remat_search.units import format_bytes, format_duration, format_seconds
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
     from remat_search.doctor import Check
@@ -190,6 +191,11 @@ def advice_table(advice: Advice) -> Group:
     return Group(header, table)
 
 
+def front_json(front: Iterable[TrialResult]) -> str:
+    """The front as ``pareto --json`` prints it (and ``GET /studies/{study}/pareto`` returns it)."""
+    return json.dumps([t.model_dump(mode="json") for t in front], indent=2)
+
+
 def budget_line(written: str | None, budget: int) -> str:
     """The budget as understood: ``budget 38MiB`` where the spec wrote it in binary units, else
     what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
@@ -272,12 +278,13 @@ def front_table(study: str, budget: int, front: Iterable[TrialResult]) -> Table:
 
 
 def studies_table(summaries: Iterable[StudySummary]) -> Table:
-    """One row a study (on a narrow terminal its trial counts in one column)."""
+    """One row a study: its trial counts (on a narrow terminal in one column), progress
+    (trials done of the spec's, running), the estimated time to finish, the fastest step."""
     narrow = _narrow()
     columns = {
         "study": {"overflow": "fold", "ratio": 1}, "device": {}, "budget": _NUMBER,
         "complete": _NUMBER, "failed": _NUMBER, "running": _NUMBER, "trials": {},
-        "fastest (step)": _NUMBER,
+        "done": _NUMBER, "ETA": _NUMBER, "fastest (step)": _NUMBER,
     }
     for name in ("complete", "failed", "running") if narrow else ("trials",):
         del columns[name]
@@ -289,10 +296,28 @@ def studies_table(summaries: Iterable[StudySummary]) -> Table:
             "trials": f"{s.complete} complete" + "".join(
                 f", {n} {what}" for n, what in ((s.failed, "failed"), (s.running, "running")) if n
             ),
+            "done": progress_text(s),
+            "ETA": eta_text(s),
             "fastest (step)": _seconds(s.fastest_seconds, estimated=s.estimated),
         }
         table.add_row(*(cells[c] for c in columns))
+    table.caption = (
+        "done: trials finished of the spec's; ETA: their mean time so far × the trials left ÷ the trials running"
+    )
+    table.caption_justify = "left"
     return table
+
+
+def progress_text(s: StudySummary) -> str:
+    """``4/12``: trials done of the spec's (``4`` where the study does not store its total)."""
+    return f"{s.done}/{s.total}" if s.total is not None else str(s.done)
+
+
+def eta_text(s: StudySummary) -> str:
+    """The estimated time to finish, ``finished`` once done, else ``—`` (nothing finished yet)."""
+    if s.eta_seconds is not None:
+        return "~" + format_duration(s.eta_seconds)
+    return "finished" if s.total is not None and s.done >= s.total else "—"
 
 
 def describe_trial(t: TrialResult) -> str:

@@ -306,6 +306,12 @@ def _check_sqlite_path(database: str | None, shown: str, *, create: bool) -> Non
         raise StorageError(f"storage: directory {str(path.parent)!r} of {shown!r} is not writable")
 
 
+def shown_url(url: str | None) -> str:
+    """The storage ``url`` (resolved: :func:`resolve_url`) as messages and the service show it:
+    its password hidden, a SQLite file's path absolute."""
+    return _shown(resolve_url(url))
+
+
 def _shown(url: str) -> str:
     """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
     try:

@@ -20,6 +20,7 @@ study is read instead, so the answer is always :meth:`StudyReport.best`'s.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -37,7 +38,7 @@ from remat_search.results import (
     pareto,
     result_of,
 )
-from remat_search.store import no_such_study, read_only, resolve_url
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, no_such_study, read_only, resolve_url
 from remat_search.units import format_bytes
 
 # optuna's TrialState and TrialValueType, by the names its Enum columns store (literals in the
@@ -99,6 +100,19 @@ class StoredStudy:
         """How many trials are in each of optuna's states (``COMPLETE``: count)."""
         rows = self._rows("SELECT state, COUNT(*) FROM trials WHERE study_id = :study GROUP BY state")
         return {_state(state): n for state, n in rows}
+
+    def finished(self) -> list[float | None]:
+        """The trials that count towards the spec's ``trials`` (as ``liveness.counts`` judges
+        them: complete, screened out, or failed by the runner with its reason), one entry
+        each: the seconds it took, start to completion (None where optuna kept no times)."""
+        rows = self._rows(
+            "SELECT t.datetime_start, t.datetime_complete FROM trials t WHERE t.study_id = :study AND ("
+            "t.state IN ('COMPLETE', 'PRUNED') OR (t.state = 'FAIL' AND EXISTS ("
+            "SELECT 1 FROM trial_user_attributes a WHERE a.trial_id = t.trial_id AND a.key = :failure "
+            "AND a.value_json NOT IN (:interrupted, 'null'))))",
+            failure=FAILURE_ATTR, interrupted=json.dumps(INTERRUPTED),
+        )
+        return [_seconds_between(start, end) for start, end in rows]
 
     # --- the best plan and the front, from the objective values ---------------------------
     def best(self, budget: int) -> TrialResult:
@@ -338,6 +352,15 @@ def _state(stored: Any) -> str:
     """optuna's trial state by name, as its Enum column holds it (SQLite's text and
     PostgreSQL's enum alike read back as the name)."""
     return str(stored)
+
+
+def _seconds_between(start: Any, end: Any) -> float | None:
+    """Seconds from ``start`` to ``end``, optuna's datetime columns as read back (a datetime
+    from PostgreSQL, its ISO text from SQLite); None if either is missing."""
+    if start is None or end is None:
+        return None
+    times = [t if isinstance(t, datetime.datetime) else datetime.datetime.fromisoformat(str(t)) for t in (start, end)]
+    return max(0.0, (times[1] - times[0]).total_seconds())
 
 
 def _measured(t: TrialResult) -> bool:

@@ -88,6 +88,22 @@ def format_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
 
 
+def format_duration(s: float) -> str:
+    """Render a wait, e.g. an estimated time to finish, to the minute beyond one:
+    ``42 s``, ``17 min``, ``2 h 05 min``, ``3 d 4 h``."""
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s} s"
+    minutes = round(s / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes:02d} min"
+    days, hours = divmod(round(s / 3600), 24)
+    return f"{days} d {hours} h"
+
+
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 """A pydantic field type for positive byte counts written as sizes."""
 

@@ -34,6 +34,8 @@ LAYERS: list[set[str]] = [
     {"search"},
     {"report", "doctor", "worker"},
     {"output", "pictures"},
+    {"page"},
+    {"server"},
     {"cli"},
     {"__init__"},
 ]
