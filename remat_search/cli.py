@@ -648,9 +648,11 @@ def serve(
     import uvicorn
 
     from remat_search.server import make_app
-    from remat_search.store import check_storage, shown_url
+    from remat_search.store import check_storage, open_storage, shown_url
 
     check_storage(storage, create=True)  # a malformed URL is bad input, said before listening
+    if token:  # writes on: make optuna's tables now, so that a dashboard started after us finds them
+        open_storage(storage, create=True)
     output.errors.print(
         f"serving {shown_url(storage)} on http://{host}:{port} (writes {'need the token' if token else 'off: no token'})",
         markup=False, highlight=False, soft_wrap=True,

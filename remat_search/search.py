@@ -83,7 +83,8 @@ from remat_search.submit import check, check_identity, load_or_create, prepare
 from remat_search.units import format_bytes
 
 logger = logging.getLogger("remat_search")
-BUDGET_CONSTRAINT = "budget"
+CONSTRAINTS_ATTR = "constraints"
+"""The trial system attribute of its constraints, in the list form optuna and optuna-dashboard both read."""
 INITIALIZED_ATTR = "initialized"
 
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
@@ -316,7 +317,7 @@ class _Workers:
             with self.lock:  # the study's first anchored measurement sets its reference: one thread
                 anchor = _anchor_seconds(study, m) if spec.timing.anchor else None
             m = m.model_copy(update={"anchor_seconds": anchor})
-            _record(study, trial, m, self.budget)
+            _record(study, trial, m, self.budget, self.storage, self._id_of(trial))
         except BaseException:
             self._interrupt(trial)
             raise
@@ -403,7 +404,10 @@ def _anchor_seconds(study: optuna.Study, m: Measurement) -> float | None:
     return float(reference)
 
 
-def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int) -> None:
+def _record(
+    study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int,
+    storage: optuna.storages.RDBStorage, trial_id: int,
+) -> None:
     """Store a measurement, the budget constraint last, and finish the trial.
 
     A plan screened out is a prediction, not a measurement: its trial is PRUNED, with no
@@ -417,13 +421,20 @@ def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: in
         study.tell(trial, state=TrialState.FAIL)
         return
     if m.screened_bytes is not None:
-        trial.set_constraint(BUDGET_CONSTRAINT, m.screened_bytes / budget - 1.0)
+        _constrain(m.screened_bytes / budget - 1.0, storage, trial_id)
         study.tell(trial, state=TrialState.PRUNED)
         return
     assert m.peak_bytes is not None
     seconds = m.step_seconds if m.status == "measured" else math.inf  # never run: no time
-    trial.set_constraint(BUDGET_CONSTRAINT, m.peak_bytes / budget - 1.0)
+    _constrain(m.peak_bytes / budget - 1.0, storage, trial_id)
     study.tell(trial, [seconds, float(m.peak_bytes)])
+
+
+def _constrain(value: float, storage: optuna.storages.RDBStorage, trial_id: int) -> None:
+    """Record the budget constraint ``value`` as the trial's one constraint, in the list that
+    ``constraints_func`` writes: optuna 5 reads it (as constraint ``"0"``), and optuna-dashboard
+    reads only that list (not ``Trial.set_constraint``'s named keys)."""
+    storage.set_trial_system_attr(trial_id, CONSTRAINTS_ATTR, [value])
 
 
 def _open_study(

@@ -333,6 +333,9 @@ def open_studies(storage: str | None = None) -> Iterator[list[StoredStudy]]:
     """Every study of ``storage``, by name, read-only, while the block runs."""
     url = resolve_url(storage)
     with read_only(url) as connection:
+        if not sqlalchemy.inspect(connection).has_table("studies"):  # a new database: no worker has opened it
+            yield []
+            return
         names = [r[0] for r in connection.execute(text("SELECT study_name FROM studies ORDER BY study_name"))]
         yield [_stored(connection, n, url) for n in names]
 

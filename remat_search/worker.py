@@ -49,10 +49,11 @@ def work(
     without a ``result``."""
     tell = on_event or (lambda _: None)
     check_storage(storage, create=True)
+    opened = open_storage(storage, create=True)  # a new, empty database has no studies yet
     left_alone: set[str] = set()
     idle = False
     while True:
-        todo = [name for name in unfinished(storage) if name not in left_alone]
+        todo = [name for name in unfinished(opened) if name not in left_alone]
         if not todo:
             if until_idle:
                 return
@@ -64,7 +65,7 @@ def work(
         idle = False
         name = todo[0]
         with translate_errors(storage):
-            study = optuna.load_study(study_name=name, storage=open_storage(storage))
+            study = optuna.load_study(study_name=name, storage=opened)
             spec = spec_of_submitted(study, storage, workers=workers)
         tell({"event": "study", "study": name, "done": finished_trials(study), "total": spec.trials})
         try:
@@ -82,21 +83,20 @@ def work(
         })
 
 
-def unfinished(storage: str) -> list[str]:
+def unfinished(storage: optuna.storages.RDBStorage) -> list[str]:
     """Studies of ``storage`` that were submitted (have a stored spec) and have work left to
     take: fewer finished plus running trials than their spec's ``trials``, once running trials
     whose process or host died are taken back (:func:`liveness.recover`); oldest first."""
-    opened = open_storage(storage)
     names = []
-    with translate_errors(storage):
-        summaries = optuna.get_all_study_summaries(opened, include_best_trial=False)
-        for summary in sorted(summaries, key=lambda s: opened.get_study_id_from_name(s.study_name)):
+    with translate_errors(storage.url):
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+        for summary in sorted(summaries, key=lambda s: storage.get_study_id_from_name(s.study_name)):
             total = summary.user_attrs.get(SPEC_ATTR, {}).get("trials", 0)
-            study = optuna.load_study(study_name=summary.study_name, storage=opened)
+            study = optuna.load_study(study_name=summary.study_name, storage=storage)
             done = finished_trials(study)
             if done < total <= done + _running(study):
-                _recover(study, storage)  # work is left only if a running trial is dead
-                study = optuna.load_study(study_name=summary.study_name, storage=opened)
+                _recover(study, storage.url)  # work is left only if a running trial is dead
+                study = optuna.load_study(study_name=summary.study_name, storage=storage)
             if done + _running(study) < total:
                 names.append(summary.study_name)
     return names

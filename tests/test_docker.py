@@ -106,7 +106,8 @@ def test_compose_runs_postgres_workers_the_api_and_the_dashboard() -> None:
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
     assert services["worker"]["deploy"]["replicas"] == 2
     for name in SERVICES - {"postgres"}:
-        assert services[name]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+        first = "api" if name == "dashboard" else "postgres"  # the api makes optuna's tables for it
+        assert services[name]["depends_on"] == {first: {"condition": "service_healthy"}}
         assert services[name]["build"]["args"]["TARGET"] == "${TARGET:-cpu}"
     assert services["api"]["ports"] == ["8000:8000"]
     assert services["dashboard"]["ports"] == ["127.0.0.1:8080:8080"]  # no login: this host only
@@ -329,13 +330,14 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
             ))
             for i in range(services["worker"]["deploy"]["replicas"])
         ]
-        dashboard = stack.enter_context(started(
+        serve.wait_for_http(f"{api}/health")
+        assert services["dashboard"]["depends_on"] == {"api": {"condition": "service_healthy"}}
+        dashboard = stack.enter_context(started(  # after the api is healthy, as compose starts it
             "dashboard",
             [executable(services["dashboard"]["entrypoint"][0]),
              *local(services["dashboard"]["command"], compose_storage, dashboard_port)],
             tmp_path / "dashboard.log",
         ))
-        serve.wait_for_http(f"{api}/health")
         _wait_until_idle(workers)
         kind, python, *health = services["api"]["healthcheck"]["test"]
         assert (kind, python) == ("CMD", "python")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -139,3 +140,19 @@ def test_a_study_whose_last_trial_died_with_its_worker_is_finished_by_another(st
     assert [json.loads(line)["plan"] for line in stdout.splitlines() if '"trial"' in line] == ["full×2"]
     states = [t.state for t in _study(storage_url).get_trials()]
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]  # the dead one failed, its plan redone
+
+
+def test_a_new_empty_database_lists_no_studies_and_a_worker_finds_no_work_in_it(tmp_path: Path) -> None:
+    """A service's first start: the database exists, with no tables yet."""
+    db = tmp_path / "empty.db"
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE scratch (a)")
+        connection.execute("DROP TABLE scratch")
+    url = f"sqlite:///{db}"
+    studies = run_process("studies", "--storage", url, stderr=subprocess.PIPE)
+    stdout, stderr = studies.communicate(timeout=120)
+    assert studies.returncode == 0 and stderr == "", stderr
+    assert stdout.split("┡")[1].split("\n")[1].startswith("└")  # the table's rows: none
+    worker = run_process("worker", "--storage", url, "--until-idle", stderr=subprocess.PIPE)
+    stdout, stderr = worker.communicate(timeout=120)
+    assert worker.returncode == 0 and stdout == "", stdout + stderr
