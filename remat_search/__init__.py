@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from remat_search.results import StudyReport, TrialResult
     from remat_search.search import plan_for_budget, run
     from remat_search.spec import SearchSpec, load_spec
-    from remat_search.submit import Submitted, submit
+    from remat_search.submission import Submitted, submit
     from remat_search.units import parse_bytes
     from remat_search.worker import work
     from remat_search.workload import Workload, build_workload
@@ -48,7 +48,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.results"),
     **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search"),
     **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec"),
-    **dict.fromkeys(('Submitted', 'submit'), "remat_search.submit"),
+    **dict.fromkeys(('Submitted', 'submit'), "remat_search.submission"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),
     **dict.fromkeys(('work',), "remat_search.worker"),
     **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workload"),

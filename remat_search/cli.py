@@ -239,7 +239,7 @@ def submit(
     nothing but its settings (more trials, say); another study of that name is refused.
     """
     from remat_search.spec import load_spec
-    from remat_search.submit import submit as submit_study
+    from remat_search.submission import submit as submit_study
 
     _quiet_optuna()
     done = submit_study(load_spec(spec, storage=storage))

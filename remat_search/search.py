@@ -79,7 +79,7 @@ from remat_search.study import (
     runner_for,
     spec_of_study,
 )
-from remat_search.submit import check, check_identity, load_or_create, prepare
+from remat_search.submission import check, check_identity, load_or_create, prepare
 from remat_search.units import format_bytes
 
 logger = logging.getLogger("remat_search")

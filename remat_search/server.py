@@ -171,7 +171,7 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
                 f"{shown_url(str(data['storage']))}; leave storage out of the spec"
             )
         spec = parse_spec({**data, "storage": url})
-        from remat_search.submit import submit  # JAX and optuna load with the first write, not at start
+        from remat_search.submission import submit  # JAX and optuna load with the first write, not at start
 
         done = await run_in_threadpool(submit, spec)
         return SubmitAnswer(study=done.study, done=done.done, total=done.total, created=done.created)

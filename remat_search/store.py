@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sqlite3
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-
-import sqlalchemy
-import sqlalchemy.exc
 
 from remat_search.errors import StorageError
 from remat_search.spec import HOME_ENV, STORAGE_ENV, default_storage, storage_home
 
 if TYPE_CHECKING:
     import optuna
+    import sqlalchemy
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
@@ -46,7 +46,7 @@ keeps only in a private system attribute, before its parameters are suggested.""
 LAYERS_ATTR = "layers"
 SPEC_ATTR = "spec"
 """The spec a study was last submitted or searched with, without its storage URL: what a
-worker needs to measure it (``submit.spec_of_submitted``)."""
+worker needs to measure it (``submission.spec_of_submitted``)."""
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"
@@ -75,6 +75,10 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
             f"storage: {shown!r} has a brace that optuna reads as a template field ({{SCHEMA_VERSION}}); "
             "double it ({{ or }}) or rename the file"
         ) from None
+    plain = _plain_sqlite(url)
+    if plain is not None:  # the common case, checked without importing SQLAlchemy
+        _check_sqlite_path(plain, shown, create=create)
+        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
     with translate_errors(url):
         parsed = _parse_url(url)
         if parsed.get_backend_name() == "sqlite":
@@ -107,6 +111,7 @@ def open_storage(
     ``heartbeat_stale_trial_callback``: see ``liveness.py``).
     """
     import optuna
+    import sqlalchemy.exc
 
     url = resolve_url(url)
     engine_kwargs = check_storage(url, create=create)
@@ -136,23 +141,103 @@ def open_storage(
         return storage
 
 
+class Reader:
+    """A read-only connection for the queries: rows of plain SQL with named parameters
+    (``:name``; a list expands where the SQL says ``IN :name``)."""
+
+    def __init__(self, execute: Callable[[str, dict[str, Any]], Iterator[tuple]], tables: Callable[[], set[str]]) -> None:
+        self._execute, self._tables = execute, tables
+
+    def stream(self, sql: str, **params: Any) -> Iterator[tuple]:
+        """The rows of ``sql``, read as they are taken (stop early: the rest is never read)."""
+        return self._execute(sql, params)
+
+    def rows(self, sql: str, **params: Any) -> list[tuple]:
+        return list(self._execute(sql, params))
+
+    def has_table(self, name: str) -> bool:
+        return name in self._tables()
+
+
 @contextlib.contextmanager
-def read_only(url: str | None = None) -> Iterator[sqlalchemy.Connection]:
-    """A connection to the storage at ``url`` for reading it (see :func:`check_storage`: a
-    missing SQLite file is an error), without optuna: no table is made, no pragma but
-    ``query_only`` set on SQLite, so that a query cannot write even by mistake. Its errors are
-    translated (:func:`translate_errors`), the block's own too."""
+def read_only(url: str | None = None) -> Iterator[Reader]:
+    """A :class:`Reader` of the storage at ``url`` (see :func:`check_storage`: a missing
+    SQLite file is an error), without optuna: no table is made, no pragma but ``query_only``
+    set on SQLite, so that a query cannot write even by mistake. A SQLite file is read with the
+    standard library's ``sqlite3``, without importing SQLAlchemy (a quarter of a second of a
+    query's wall time); other databases through SQLAlchemy. Its errors are translated
+    (:func:`translate_errors`), the block's own too."""
     url = resolve_url(url)
     engine_kwargs = check_storage(url)
+    plain = _plain_sqlite(url)
     with translate_errors(url):
+        if plain is not None:
+            connection = sqlite3.connect(plain, timeout=SQLITE_BUSY_TIMEOUT_SECONDS)
+            try:
+                connection.execute("PRAGMA query_only = ON")
+                yield Reader(
+                    lambda sql, params: _sqlite_rows(connection, sql, params),
+                    lambda: {r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")},
+                )
+            finally:
+                connection.close()
+            return
+        import sqlalchemy
+
         engine = sqlalchemy.create_engine(url, **engine_kwargs)
         try:
             with engine.connect() as connection:
                 if engine.dialect.name == "sqlite":
                     connection.exec_driver_sql("PRAGMA query_only = ON")
-                yield connection
+                yield Reader(
+                    lambda sql, params: _sqlalchemy_rows(connection, sql, params),
+                    lambda: set(sqlalchemy.inspect(connection).get_table_names()),
+                )
         finally:
             engine.dispose()
+
+
+def _sqlite_rows(connection: sqlite3.Connection, sql: str, params: dict[str, Any]) -> Iterator[tuple]:
+    """``sql``'s rows through sqlite3, each list parameter ``:name`` expanded to ``(:name_0, …)``."""
+    lists = {k: v for k, v in params.items() if isinstance(v, list)}
+    sql = re.sub(
+        r":(\w+)", lambda m: f"({', '.join(f':{m[1]}_{i}' for i in range(len(lists[m[1]])))})" if m[1] in lists else m[0],
+        sql,
+    )
+    flat = {k: v for k, v in params.items() if k not in lists}
+    flat.update({f"{k}_{i}": x for k, v in lists.items() for i, x in enumerate(v)})
+    cursor = connection.execute(sql, flat)
+    try:
+        for batch in iter(lambda: cursor.fetchmany(64), []):
+            yield from batch
+    finally:
+        cursor.close()
+
+
+def _sqlalchemy_rows(connection: sqlalchemy.Connection, sql: str, params: dict[str, Any]) -> Iterator[tuple]:
+    """``sql``'s rows through SQLAlchemy, list parameters expanding."""
+    from sqlalchemy import bindparam, text
+
+    statement = text(sql)
+    for name, value in params.items():
+        if isinstance(value, list):
+            statement = statement.bindparams(bindparam(name, expanding=True))
+    result = connection.execute(statement, params)
+    try:
+        for batch in iter(lambda: result.fetchmany(64), []):
+            yield from (tuple(row) for row in batch)
+    finally:
+        result.close()
+
+
+_PLAIN_SQLITE = re.compile(r"sqlite:///(?P<path>[^?%]+)")
+
+
+def _plain_sqlite(url: str) -> str | None:
+    """The file of a SQLite URL with no driver, options or escapes (``sqlite:///studies.db``,
+    ``sqlite:////abs/path.db``), as SQLAlchemy reads it; None for any other URL."""
+    found = _PLAIN_SQLITE.fullmatch(url)
+    return found["path"] if found and found["path"] != ":memory:" else None
 
 
 @contextlib.contextmanager
@@ -163,20 +248,21 @@ def translate_errors(url: str) -> Iterator[None]:
         yield
     except StorageError:
         raise
-    except sqlalchemy.exc.NoSuchModuleError as e:
-        raise StorageError(
-            f"storage: {shown!r} needs a database driver that is not installed ({e}); "
-            "URLs name the database and driver as in postgresql+psycopg://user@host/db"
-        ) from None
-    except ModuleNotFoundError as e:
-        missing = _missing_driver(url, e)
-        if missing is None:  # not the driver: a bug, with its own traceback
-            raise
-        raise StorageError(f"storage: {shown!r} {missing}") from None
-    except sqlalchemy.exc.ArgumentError:
-        raise _not_a_url(shown) from None
     except Exception as e:
-        if not isinstance(e, (sqlalchemy.exc.SQLAlchemyError, *_optuna_storage_errors())):
+        sa = sys.modules.get("sqlalchemy.exc")  # loaded where SQLAlchemy ran: nothing else raised its errors
+        if sa is not None and isinstance(e, sa.NoSuchModuleError):
+            raise StorageError(
+                f"storage: {shown!r} needs a database driver that is not installed ({e}); "
+                "URLs name the database and driver as in postgresql+psycopg://user@host/db"
+            ) from None
+        if isinstance(e, ModuleNotFoundError):
+            missing = _missing_driver(url, e)
+            if missing is None:  # not the driver: a bug, with its own traceback
+                raise
+            raise StorageError(f"storage: {shown!r} {missing}") from None
+        if sa is not None and isinstance(e, sa.ArgumentError):
+            raise _not_a_url(shown) from None
+        if not isinstance(e, (sqlite3.Error, *((sa.SQLAlchemyError,) if sa else ()), *_optuna_storage_errors())):
             raise
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise StorageError(f"storage: cannot use {shown!r} ({reason})") from None
@@ -192,6 +278,8 @@ def _optuna_storage_errors() -> tuple[type[Exception], ...]:
 def _parse_url(url: str) -> sqlalchemy.engine.URL:
     """``url`` parsed; SQLAlchemy raises ValueError, not its ArgumentError, for some bad URLs
     (a port that is no number: ``postgresql://u@host:x/db``)."""
+    import sqlalchemy
+
     try:
         return sqlalchemy.engine.make_url(url)
     except ValueError:
@@ -201,6 +289,8 @@ def _parse_url(url: str) -> sqlalchemy.engine.URL:
 def _engine(parsed: sqlalchemy.engine.URL, shown: str, engine_kwargs: dict) -> sqlalchemy.Engine:
     """An engine for ``parsed`` (no connection yet); a URL option its driver cannot read, or
     ignores, is a :class:`StorageError` (``?timeout=abc``, ``?mode=ro`` without ``uri=true``)."""
+    import sqlalchemy
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", sqlalchemy.exc.SAWarning)
         try:
@@ -242,6 +332,8 @@ def _missing_driver(url: str, error: ModuleNotFoundError) -> str | None:
     """What to install (or write) when ``error`` is the driver of ``url`` not being installed;
     None when it is another module. A bare ``postgresql://`` means SQLAlchemy's default driver
     (psycopg 3 since SQLAlchemy 2.1), so the command follows the URL as written."""
+    import sqlalchemy
+
     try:
         parsed = sqlalchemy.engine.make_url(url)
         driver, dialect = parsed.get_driver_name(), parsed.get_dialect()
@@ -314,6 +406,11 @@ def shown_url(url: str | None) -> str:
 
 def _shown(url: str) -> str:
     """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
+    plain = _plain_sqlite(url)
+    if plain is not None:
+        return f"sqlite:///{Path(plain).resolve()}"
+    import sqlalchemy
+
     try:
         parsed = sqlalchemy.engine.make_url(url)
     except (sqlalchemy.exc.ArgumentError, ValueError):

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
-
-import sqlalchemy
-from sqlalchemy import bindparam, text
 
 from remat_search.errors import NoFeasiblePlan
 from remat_search.results import (
@@ -38,7 +36,7 @@ from remat_search.results import (
     pareto,
     result_of,
 )
-from remat_search.store import FAILURE_ATTR, INTERRUPTED, no_such_study, read_only, resolve_url
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, Reader, no_such_study, read_only, resolve_url
 from remat_search.units import format_bytes
 
 # optuna's TrialState and TrialValueType, by the names its Enum columns store (literals in the
@@ -66,7 +64,7 @@ class _Inconsistent(Exception):
 class StoredStudy:
     """One study of a storage, read over an open connection (see :func:`open_study`)."""
 
-    def __init__(self, connection: sqlalchemy.Connection, study_id: int, name: str, attrs: dict[str, Any]) -> None:
+    def __init__(self, connection: Reader, study_id: int, name: str, attrs: dict[str, Any]) -> None:
         self.connection = connection
         self.study_id = study_id
         self.name = name
@@ -162,11 +160,11 @@ class StoredStudy:
         limit = "" if budget is None else " AND p.value <= :budget"
         confirmed = self._confirmed()
         rivals: list[TrialResult] | None = None  # the confirmed plans that are timed and fit
-        stream = self.connection.execute(
-            text(_TIMED + limit + " ORDER BY s.value, p.value, t.number"),
-            {"study": self.study_id, "budget": None if budget is None else float(budget)},  # as at untimed_within
+        stream = self.connection.stream(
+            _TIMED + limit + " ORDER BY s.value, p.value, t.number",
+            study=self.study_id, budget=None if budget is None else float(budget),  # as at untimed_within
         )
-        for batch in iter(lambda: stream.fetchmany(16), []):
+        for batch in iter(lambda: list(itertools.islice(stream, 16)), []):
             points = [_Point(*row) for row in batch if row[0] not in confirmed]
             loaded = self._load([p.trial_id for p in points])
             timed = self._timed({**loaded, **confirmed} if rivals is None else loaded)  # one look-up for both
@@ -299,11 +297,7 @@ class StoredStudy:
         return out
 
     def _rows(self, sql: str, **params: Any) -> list[Sequence[Any]]:
-        statement = text(sql)
-        for name, value in params.items():
-            if isinstance(value, list):
-                statement = statement.bindparams(bindparam(name, expanding=True))
-        return list(self.connection.execute(statement, {"study": self.study_id, **params}))
+        return self.connection.rows(sql, **{"study": self.study_id, **params})
 
 
 def external_value(value: float, distribution_json: str) -> object:
@@ -333,21 +327,20 @@ def open_studies(storage: str | None = None) -> Iterator[list[StoredStudy]]:
     """Every study of ``storage``, by name, read-only, while the block runs."""
     url = resolve_url(storage)
     with read_only(url) as connection:
-        if not sqlalchemy.inspect(connection).has_table("studies"):  # a new database: no worker has opened it
+        if not connection.has_table("studies"):  # a new database: no worker has opened it
             yield []
             return
-        names = [r[0] for r in connection.execute(text("SELECT study_name FROM studies ORDER BY study_name"))]
+        names = [r[0] for r in connection.rows("SELECT study_name FROM studies ORDER BY study_name")]
         yield [_stored(connection, n, url) for n in names]
 
 
-def _stored(connection: sqlalchemy.Connection, name: str, url: str) -> StoredStudy:
-    found = connection.execute(text("SELECT study_id FROM studies WHERE study_name = :name"), {"name": name}).first()
-    if found is None:
-        known = [r[0] for r in connection.execute(text("SELECT study_name FROM studies"))]
+def _stored(connection: Reader, name: str, url: str) -> StoredStudy:
+    found = connection.rows("SELECT study_id FROM studies WHERE study_name = :name", name=name)
+    if not found:
+        known = [r[0] for r in connection.rows("SELECT study_name FROM studies")]
         raise no_such_study(name, url, known)
-    rows = connection.execute(
-        text("SELECT key, value_json FROM study_user_attributes WHERE study_id = :study"), {"study": found[0]}
-    )
+    found = found[0]
+    rows = connection.rows("SELECT key, value_json FROM study_user_attributes WHERE study_id = :study", study=found[0])
     return StoredStudy(connection, found[0], name, {key: json.loads(value) for key, value in rows})
 
 

@@ -29,7 +29,7 @@ from remat_search.search import run
 from remat_search.space import Space
 from remat_search.store import LAYERS_ATTR, SPEC_ATTR, check_storage, open_storage, translate_errors
 from remat_search.study import Progress, finished_trials
-from remat_search.submit import spec_of_submitted
+from remat_search.submission import spec_of_submitted
 
 Event = dict[str, Any]
 EventCallback = Callable[[Event], None]

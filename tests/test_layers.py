@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"stored"},
     {"study"},
     {"planner"},
-    {"submit"},
+    {"submission"},
     {"confirm"},
     {"search"},
     {"report", "doctor", "worker"},

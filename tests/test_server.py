@@ -303,14 +303,16 @@ def test_serve_help_teaches_the_token_rule_and_an_example(cli) -> None:  # type:
 
 
 def test_a_spec_posted_with_the_token_is_submitted_once(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
-    storage = f"sqlite:///{tmp_path / 'new.db'}"  # no database yet: the first submit makes it
+    storage = f"sqlite:///{tmp_path / 'new.db'}"  # no database yet: serve, writes on, makes optuna's tables
     spec = _spec(storage)
     with serving(storage, token=TOKEN) as base:
+        before = {p.name: p.read_bytes() for p in tmp_path.glob("new.db*")}
+        assert "new.db" in before
         bad = request(base + "/studies", method="POST", headers={**YAML, "Authorization": f"Bearer {TOKEN}"},
                       body=yaml.safe_dump({**spec, "workload": {"factory": "no_such_module:make"}}).encode())
         assert bad.status == 422
         assert _one_line(bad.json()["detail"]).startswith("workload.factory: 'no_such_module:make' does not import")
-        assert not list(tmp_path.glob("new.db*")), "a refused spec wrote a database"
+        assert {p.name: p.read_bytes() for p in tmp_path.glob("new.db*")} == before, "a refused spec wrote"
 
         answers = [
             request(base + "/studies", method="POST", body=body, headers={**kind, "Authorization": f"Bearer {TOKEN}"})

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from remat_search import submit
 from remat_search.spec import parse_spec
-from remat_search.submit import METRIC_NAMES, spec_of_submitted
+from remat_search.submission import METRIC_NAMES, spec_of_submitted
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 
 SMALL = {"trials": 3, "space": {"layout": "uniform", "choices": ["none", "full", "dots"]}, "confirm": {"top": 0}}
@@ -24,6 +24,13 @@ SMALL = {"trials": 3, "space": {"layout": "uniform", "choices": ["none", "full",
 
 def _study(url: str, name: str = "tiny") -> optuna.Study:
     return optuna.load_study(study_name=name, storage=url)
+
+
+def test_submit_is_the_function_whatever_was_imported_before() -> None:
+    import remat_search
+    import remat_search.search  # imports the module that defines submit: it must not shadow it
+
+    assert remat_search.submit is submit and callable(remat_search.submit)
 
 
 def test_submit_stores_the_study_and_measures_nothing(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
