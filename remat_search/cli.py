@@ -292,7 +292,7 @@ def worker(
             in_hand[key] = event["plan"]
             return
         in_hand.pop(key, None)
-        _print(json.dumps(event, default=str))
+        _print(json.dumps(event, default=str, ensure_ascii=False))
 
     def terminate(signum: int, _: Any) -> None:
         stopped_by.append(signal.Signals(signum).name)
