@@ -190,6 +190,7 @@ def run(
     from remat_search.spec import load_spec
 
     loaded = load_spec(spec, storage=storage, workers=_workers(workers))
+    _importable_from(spec)
     if loaded.budget is not None:
         output.console.print(output.budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
@@ -218,6 +219,15 @@ def run(
     )
 
 
+def _importable_from(spec: Path) -> None:
+    """Let a spec's ``workload.factory`` import from the spec's folder and the current one, as
+    ``python -m`` would (a console script's import path has neither); the worker processes,
+    spawned, share this process's path."""
+    for folder in (str(Path.cwd()), str(spec.resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
 def _workers(value: str | None) -> str | None:
     if value is not None and value != "auto" and not (value.isdigit() and int(value) > 0):
         raise SpecError(f"--workers: expected a positive number of worker processes or auto, got {value!r}")
@@ -242,7 +252,9 @@ def submit(
     from remat_search.submission import submit as submit_study
 
     _quiet_optuna()
-    done = submit_study(load_spec(spec, storage=storage))
+    loaded = load_spec(spec, storage=storage)
+    _importable_from(spec)
+    done = submit_study(loaded)
     said = "submitted study" if done.created else "study"
     again = "" if done.created else " was already submitted"
     output.console.print(

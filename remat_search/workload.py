@@ -205,6 +205,14 @@ def _from_factory(config: FactoryConfig) -> Workload:
     where = f"workload.factory: {config.factory!r}"
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):  # the factory's module imports what is missing
+            raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
+        raise WorkloadError(
+            f"{where} does not import: no module {e.name!r} on the import path, which the worker process "
+            f"shares (the spec's folder and the current one first for the CLI, then $PYTHONPATH): put it "
+            f"there, add its folder to PYTHONPATH, or pip install its package"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any import failure is the user's factory's
         raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
     factory = getattr(module, function_name, None)

@@ -163,3 +163,27 @@ def test_a_new_empty_database_lists_no_studies_and_a_worker_finds_no_work_in_it(
     worker = run_process("worker", "--storage", url, "--until-idle", stderr=subprocess.PIPE)
     stdout, stderr = worker.communicate(timeout=120)
     assert worker.returncode == 0 and stdout == "", stdout + stderr
+
+
+def test_a_factory_beside_the_spec_imports_in_the_search_and_its_worker(tmp_path: Path) -> None:
+    """`run` from another folder: the spec's folder is on the import path of the search and of
+    the worker process it spawns; a module found nowhere is one line naming where it looked."""
+    (tmp_path / "beside_the_spec.py").write_text(
+        "from remat_search.mlp import MlpWorkload\nfrom remat_search.spec import MlpConfig\n\n\n"
+        "def make():\n    return MlpWorkload(MlpConfig(kind='mlp', layers=2, width=16, hidden=32, batch=4))\n"
+    )
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(
+        url, workload={"factory": "beside_the_spec:make"}, trials=1, confirm={"top": 0},
+        space={"layout": "uniform", "choices": ["full"]},
+    ))
+    search = run_process("run", str(spec), stderr=subprocess.PIPE)  # in the repository's folder, not tmp_path
+    stdout, stderr = search.communicate(timeout=300)
+    assert search.returncode == 0, stdout + stderr
+    assert [t.state for t in _study(url).get_trials()] == [TrialState.COMPLETE]
+
+    missing = write_spec(tmp_path / "missing.yaml", spec_dict(url, workload={"factory": "found_nowhere:make"}))
+    search = run_process("run", str(missing), stderr=subprocess.PIPE)
+    stdout, stderr = search.communicate(timeout=300)
+    assert search.returncode == 2 and stderr.count("\n") == 1, stderr
+    assert "workload.factory: 'found_nowhere:make' does not import: no module 'found_nowhere' on the import path" in stderr
