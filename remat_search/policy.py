@@ -64,6 +64,17 @@ register_policy(PolicyKind(
     lambda names: _policies().save_only_these_names(*names), takes_names=True,
 ))
 register_policy(PolicyKind(
+    "names_except", "save every tensor named with checkpoint_name but these",
+    lambda names: _policies().save_any_names_but_these(*names), takes_names=True,
+))
+register_policy(PolicyKind(
+    "dots_no_batch_names", "save matrix-multiply outputs without batch dimensions, and the named tensors",
+    lambda names: _policies().save_from_both_policies(
+        _policies().dots_with_no_batch_dims_saveable, _policies().save_only_these_names(*names)
+    ),
+    takes_names=True,
+))
+register_policy(PolicyKind(
     "offload", "move the named tensors to pinned host memory (GPU/TPU only)",
     lambda names: _policies().save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),

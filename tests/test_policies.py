@@ -7,13 +7,19 @@ leaves the gradients of the layer it wraps as they were.
 
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
+import remat_search
 from remat_search import POLICIES, LayerPolicy, PolicyKind, RematPlan, register_policy
-from remat_search.spec import PolicyChoice
+from remat_search.spec import PolicyChoice, parse_spec
 
 NAMES = ("mlpwi",)
 
@@ -54,3 +60,54 @@ def test_an_unknown_kind_is_named_with_the_known_ones() -> None:
 def test_a_kind_is_registered_once() -> None:
     with pytest.raises(ValueError, match="'full' is registered already"):
         register_policy(PolicyKind("full", "again", lambda names: None))
+
+
+def _saved(kind: str, names: tuple[str, ...]) -> set[str]:
+    """What a layer with a named matmul (``a``), a named elementwise tensor (``b``) and an
+    unnamed matmul saves for the backward pass under ``kind``, by JAX's own account
+    (``saved_residuals``): ``named X`` or ``dot`` (an unnamed matmul's output)."""
+    w = jnp.eye(4) * 0.5 + 0.1
+
+    def layer(x: jax.Array) -> jax.Array:
+        a = checkpoint_name(x @ w, "a")
+        b = checkpoint_name(jnp.sin(a), "b")
+        return (jnp.tanh(b @ w.T) * b).sum()  # the backward needs b and the unnamed matmul's output
+
+    wrapped = RematPlan.uniform(LayerPolicy(kind=kind, names=names), 1).wrap(layer, 0)
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(wrapped, x)
+    return {
+        ("named " + why.split("named ")[1].split()[0].strip("'")) if "named" in why else
+        ("dot" if "dot_general" in why else "other")
+        for why in printed.getvalue().splitlines() if "from the argument" not in why and "from a constant" not in why
+    }
+
+
+def test_names_except_saves_every_named_tensor_but_those() -> None:
+    assert _saved("names_except", ("a",)) == {"named b"}
+    assert _saved("names", ("a",)) == {"named a"}
+
+
+def test_dots_no_batch_names_saves_the_matmuls_and_the_named_tensors() -> None:
+    assert _saved("dots_no_batch_names", ("b",)) >= {"named b", "dot"}
+    assert "named b" not in _saved("dots_no_batch", ())
+
+
+def test_the_new_kinds_search_on_the_transformer_with_their_peaks_and_gradients(tmp_path: Path) -> None:
+    """Each kind in a real study: compiled (its peak in the table), run, and its first step
+    within the gradient tolerance of full remat's."""
+    from tests.conftest import spec_dict
+
+    spec = parse_spec(spec_dict(
+        f"sqlite:///{tmp_path / 'studies.db'}", trials=2, confirm={"top": 0},
+        space={"layout": "uniform", "choices": [
+            {"label": "all_but_ctx", "names_except": ["context"]}, {"label": "dnb_ctx", "dots_no_batch_names": ["context"]},
+        ]},
+    ))
+    report = remat_search.run(spec)
+    assert [(t.summary(), t.status) for t in report.trials] == [("all_but_ctx×2", "measured"), ("dnb_ctx×2", "measured")]
+    for t in report.trials:
+        assert t.peak_bytes and t.measurement is not None and t.measurement.grad_rel_error is not None
+        assert t.measurement.grad_rel_error <= spec.gradient_tolerance
