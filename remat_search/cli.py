@@ -440,17 +440,26 @@ def best(
     budget: BudgetOption,
     storage: StorageOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
+    form: Annotated[str, typer.Option(
+        "--format", metavar="table|json|yaml|maxtext",
+        help="table (default); json (= --json), yaml: the plan alone; maxtext: MaxText's remat settings "
+             "(remat_policy: full, or custom with device/offload/remat per tensor name) where the plan has that form.",
+    )] = "table",
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
+    from remat_search.export import FORMATS, export
     from remat_search.stored import open_study
 
+    if form != "table" and form not in FORMATS:
+        raise SpecError(f"--format: expected table, {', '.join(FORMATS)}; got {form!r}")
+    form = "json" if as_json else form
     limit = _budget(budget)
     with open_study(_study(study), storage) as stored:
         found = stored.best(limit)
         untimed = stored.untimed_within(limit)
-    if as_json:
+    if form != "table":
         assert found.plan is not None
-        print(found.plan.to_json())
+        print(export(found.plan, form))  # type: ignore[arg-type]
     else:
         output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
         output.console.print(output.describe_trial(found))

@@ -17,6 +17,7 @@ LAYERS: list[set[str]] = [
     {"errors", "units"},
     {"policy"},
     {"plan"},
+    {"export"},
     {"spec"},
     {"space", "target"},
     {"workload"},
