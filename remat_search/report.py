@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
@@ -20,6 +21,9 @@ from remat_search.results import StudyReport, TrialResult
 from remat_search.store import SPEC_ATTR
 from remat_search.stored import StoredStudy, open_studies, open_study
 from remat_search.units import parse_bytes
+
+if TYPE_CHECKING:
+    from remat_search.workload import Workload
 
 
 def load_report(study: str, storage: str | None = None) -> StudyReport:
@@ -34,11 +38,39 @@ def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
         return stored.front()
 
 
-def best_plan(study: str, budget: int | str, storage: str | None = None) -> TrialResult:
+def best_plan(
+    study: str, budget: int | str, storage: str | None = None, *, workload: Workload | None = None, check: bool = True,
+) -> TrialResult:
     """The fastest measured plan of ``study`` whose compiled peak fits ``budget``
-    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial)."""
+    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial).
+
+    For a training script that applies it: with ``check`` (the default), a study measured with
+    another JAX version, or on another kind of device than this process's first, is refused
+    (:class:`SpecError`, naming both), and so is one of another workload than ``workload``
+    (its fingerprint: names, layers, tensor names, input shapes), where one is given: its
+    peaks and times would not be this run's. ``check=False`` only reads the answer."""
     with open_study(study, storage) as stored:
-        return stored.best(budget_bytes(budget))
+        found = stored.best(budget_bytes(budget))
+        measured_on = stored.device
+    if check:
+        _check_caller(study, measured_on, workload)
+    return found
+
+
+def _check_caller(study: str, measured_on: dict, workload: Workload | None) -> None:
+    import jax
+
+    mine = {
+        "jax_version": jax.__version__, "device_kind": jax.devices()[0].device_kind,
+        **({"workload_fingerprint": workload.fingerprint()} if workload is not None else {}),
+    }
+    for key, value in mine.items():
+        if measured_on.get(key) is not None and measured_on[key] != value:
+            raise SpecError(
+                f"best_plan: study {study!r} was measured with {key} {measured_on[key]!r}, and this process has "
+                f"{value!r}: its peaks and times are not this run's; search again here, or pass check=False to "
+                "read the answer anyway"
+            )
 
 
 def budget_bytes(budget: object) -> int:

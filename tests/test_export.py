@@ -71,3 +71,30 @@ def test_an_unknown_format_is_one_line(cli, study: str, tmp_path: Path) -> None:
     result = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", study, "--format", "toml")
     assert result.exit_code == 2
     assert result.stderr == "error: --format: expected table, json, yaml, maxtext; got 'toml'\n"
+
+
+def test_best_plan_refuses_a_study_measured_with_another_jax_device_or_workload(study: str, tmp_path: Path) -> None:
+    import sqlite3
+
+    import optuna
+
+    from remat_search.spec import MlpConfig, TransformerConfig
+    from remat_search.workload import build_workload
+    from tests.conftest import TINY_TRANSFORMER
+
+    mine = build_workload(TransformerConfig(**TINY_TRANSFORMER))
+    assert remat_search.best_plan("tiny", "1GiB", study, workload=mine).plan is not None
+    other = build_workload(MlpConfig(kind="mlp", layers=2, width=16, hidden=32, batch=4))
+    with pytest.raises(SpecError, match=r"^best_plan: study 'tiny' was measured with workload_fingerprint '"):
+        remat_search.best_plan("tiny", "1GiB", study, workload=other)
+
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(study.removeprefix("sqlite:///")) as source, sqlite3.connect(copy) as target:
+        source.backup(target)  # the WAL's pages too
+    stored = optuna.load_study(study_name="tiny", storage=f"sqlite:///{copy}")
+    measured_on = stored.user_attrs["device_info"]
+    for key, value in (("jax_version", "0.4.1"), ("device_kind", "TPU v5 lite")):
+        stored.set_user_attr("device_info", {**measured_on, key: value})
+        with pytest.raises(SpecError, match=f"was measured with {key} '{value}', and this process has"):
+            remat_search.best_plan("tiny", "1GiB", f"sqlite:///{copy}")
+        assert remat_search.best_plan("tiny", "1GiB", f"sqlite:///{copy}", check=False).plan is not None
