@@ -79,6 +79,7 @@ class Executables:
     def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
                  capacity: int = KEPT_EXECUTABLES) -> None:
         self.workload, self.mesh, self.capacity = workload, mesh, capacity
+        workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
         self.cpu = self.target.platform == "cpu"
         self.anchor_plan = anchor_plan(workload.layers)
@@ -118,14 +119,16 @@ class Executables:
         """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
         import jax
 
-        inputs = self.workload.inputs()
-        return inputs if self.mesh is None else jax.device_put(inputs, self.workload.shardings(self.mesh))
+        with self.workload.tracing():
+            inputs = self.workload.inputs()
+            return inputs if self.mesh is None else jax.device_put(inputs, self.workload.shardings(self.mesh))
 
     def _compile(self, plan: RematPlan) -> Build:
         workload, mesh = self.workload, self.mesh
         started, start = time.time(), time.perf_counter()
-        abstract = workload.abstract_inputs(mesh)
-        lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
+        with workload.tracing():
+            abstract = workload.abstract_inputs(mesh)
+            lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
         try:
             compiled = lowered.compile(compiler_options=compiler_options(self.cpu) or None)
         except Exception as e:

@@ -296,6 +296,7 @@ def _serve(
         workload = build_workload(workload_config)
         target = target_of(target_config)
         mesh = target.mesh(mesh_axes)
+        workload.use_mesh(mesh)  # before anything of it is traced (Workload.use_mesh)
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         info = DeviceInfo(

@@ -249,7 +249,7 @@ TargetConfig = Annotated[
 ]
 """``local``: compile, run and time on the devices this process sees; or a TPU topology."""
 
-MeshAxis = Literal["data", "fsdp"]
+MeshAxis = Literal["data", "fsdp", "sequence", "tensor", "expert"]
 MESH_AXES: tuple[MeshAxis, ...] = get_args(MeshAxis)
 
 
@@ -320,8 +320,10 @@ class SearchSpec(_Frozen):
     trials: PositiveInt
     target: TargetConfig = "local"
     mesh: dict[MeshAxis, PositiveInt] | None = None
-    """Device mesh, e.g. ``{data: 2, fsdp: 4}``: batch over both axes, parameters and optimizer
-    state sharded over ``fsdp``. Default: all of a TPU target's chips on ``data``; for
+    """Device mesh, e.g. ``{data: 2, fsdp: 4}``: the built-in workloads put the batch over
+    ``data`` and ``fsdp``, and parameters and optimizer state over ``fsdp``; ``sequence``,
+    ``tensor`` and ``expert`` are for a workload's own shardings (it gets the mesh from
+    :meth:`Workload.use_mesh`). Default: all of a TPU target's chips on ``data``; for
     ``local``, no mesh (one device)."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()

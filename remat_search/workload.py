@@ -12,6 +12,7 @@ is built, not with this module: reading studies needs none.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import importlib
 import json
@@ -47,6 +48,23 @@ class Workload(abc.ABC):
     name: str
     layers: int
     tensor_names: frozenset[str] = frozenset()
+    mesh: Mesh | None = None
+    """The target's device mesh (None: one device), given by :meth:`use_mesh` before anything
+    is traced."""
+
+    def use_mesh(self, mesh: Mesh | None) -> None:
+        """Receive the target's device mesh before any shape, sharding or step is traced.
+
+        The hook for a model whose parameters, shardings or sharding constraints need the mesh:
+        a TPU target's devices are not this host's, so a model must not build its mesh from
+        ``jax.devices()``. The worker calls it once, first; the default keeps the mesh as
+        :attr:`mesh`. Override it to build what depends on the mesh (call ``super()``)."""
+        self.mesh = mesh
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """A context the worker enters around tracing the inputs and each step (a linen
+        model's ``nn.logical_axis_rules(...)``, say); none by default."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def init_params(self, key: jax.Array) -> PyTree:
@@ -94,7 +112,8 @@ class Workload(abc.ABC):
 
         Each parameter and optimizer-state array is split over ``fsdp`` along its largest
         dimension that the axis divides (replicated if none does); the batch's leading
-        dimension is split over ``data`` and ``fsdp`` together.
+        dimension is split over ``data`` and ``fsdp`` together. Other axes (``sequence``,
+        ``tensor``, ``expert``) are the model's own: override this to use them.
         """
         import jax
         from jax.sharding import NamedSharding
@@ -102,7 +121,7 @@ class Workload(abc.ABC):
 
         state, batch = self._input_shapes()
         fsdp = mesh.shape.get("fsdp", 1)
-        batch_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+        batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
         ways = math.prod(mesh.shape[a] for a in batch_axes)
 
         def state_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
@@ -184,9 +203,10 @@ def program_fingerprint(workload: Workload) -> str:
     optimizer does, even at the same shapes, so cached measurements of old code are not reused."""
     import jax
 
-    state, batch = workload.abstract_inputs()
     try:
-        text = str(jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch))
+        with workload.tracing():
+            state, batch = workload.abstract_inputs()
+            text = str(jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch))
     except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
         text = f"does not trace: {type(e).__name__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -20,6 +20,9 @@ from typing import Any
 # XLA:CPU compiles the tiny models about twice as fast, the memory figures (buffer
 # assignment, before LLVM) are byte-for-byte the same, and no test judges compute speed.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# The TPU-target tests load libtpu in this process too: not exclusively (as the workers do), so
+# that a search or another test run on this host at the same time does not lock them out.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import optuna  # after XLA_FLAGS, which XLA reads when it starts
 import pytest

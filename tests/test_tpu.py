@@ -108,7 +108,7 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str) -> 
      ({"target": "tpu"}, "spec.target: expected local or {platform: tpu"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 2, "fsdp": 4}},
       "spec.mesh: {'data': 2, 'fsdp': 4} spans 8 devices, the target has 4"),
-     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"tensor": 4}}, "spec.mesh"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"model": 4}}, "spec.mesh"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 4},
        "workload": {**TINY_TRANSFORMER, "batch": 6}}, "spec.mesh: the batch dimension (6) must be divisible"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "budget": "20GiB"},
@@ -128,3 +128,29 @@ def test_without_libtpu_a_tpu_target_names_the_extra(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "libtpu", None)  # as if it were not installed
     with pytest.raises(SpecError, match=r"pip install 'remat-search\[tpu\]'"):
         TpuAotTarget(V5E).devices()
+
+
+def test_a_factory_gets_the_targets_mesh_through_use_mesh_and_compiles_with_its_own_constraints(
+    storage_url: str,
+) -> None:
+    """A tensor-parallel factory (hidden activations over ``tensor``) on a v5e:2x2 as
+    ``{data: 2, tensor: 2}``: the mesh comes from the TPU topology through ``use_mesh``,
+    before anything is traced, and the model overrides no sharding method."""
+    from tests.workloads import TensorParallelMlp, tensor_parallel
+
+    assert "shardings" not in vars(TensorParallelMlp) and "abstract_inputs" not in vars(TensorParallelMlp)
+    workload = tensor_parallel()
+    target = target_of(V5E)
+    executables = Executables(workload, target=target, mesh=target.mesh({"data": 2, "tensor": 2}))
+    (mesh,) = workload.used_meshes
+    assert dict(mesh.shape) == {"data": 2, "tensor": 2} and {d.platform for d in mesh.devices.flat} == {"tpu"}
+    m = measure(executables, RematPlan.uniform("full", 2), budget=HBM_V5E, timing=TimingConfig(), gradient_tolerance=1e-3)
+    assert m.status == "measured" and m.time_source == "estimated", m.error
+
+    report = remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.workloads:tensor_parallel"}, target={"platform": "tpu", "topology": "v5e:2x2"},
+        mesh={"data": 2, "tensor": 2}, budget=None, trials=2, confirm={"top": 0},
+        space={"layout": "uniform", "choices": ["none", "full"]},
+    )))
+    assert [t.status for t in report.trials] == ["measured", "measured"]
+    assert report.device["mesh"] == {"data": 2, "tensor": 2}

@@ -8,20 +8,24 @@ plans that fail in every way a candidate can (:class:`FaultyMlp`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from remat_search.mlp import MlpWorkload
-from remat_search.plan import RematPlan
+from remat_search.plan import RematPlan, apply_layers
 from remat_search.spec import MlpConfig
+from remat_search.workload import PyTree
 
 TINY_MLP = MlpConfig(kind="mlp", layers=3, width=64, hidden=256, batch=128)
 
@@ -276,3 +280,34 @@ def failing_factory() -> None:
 def plain_function(x: jax.Array) -> jax.Array:
     """Used to check that a plan read back from JSON wraps functions."""
     return jnp.sin(x @ x.T)
+
+
+class TensorParallelMlp(MlpWorkload):
+    """An MLP whose hidden activations are constrained over the mesh's ``tensor`` axis, as a
+    tensor-parallel model's are: it needs the target's mesh (given by ``use_mesh``, never built
+    from this host's devices) and overrides no sharding method."""
+
+    def use_mesh(self, mesh: Any) -> None:
+        super().use_mesh(mesh)
+        self.used_meshes = [*getattr(self, "used_meshes", []), mesh]
+
+    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        assert self.mesh is not None, "use_mesh gives the mesh before the loss is traced"
+        hidden = NamedSharding(self.mesh, P("data", "tensor"))
+
+        def block(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+            h = jax.lax.with_sharding_constraint(checkpoint_name(x @ params["wi"], "mlpwi"), hidden)
+            return x + checkpoint_name(jax.nn.gelu(h) @ params["wo"], "mlpwo")
+
+        def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
+            x = apply_layers(plan, [functools.partial(block, p) for p in params], batch["x"])
+            return jnp.mean((x - batch["y"]) ** 2)
+
+        return loss_fn
+
+
+def tensor_parallel(layers: int = 2, width: int = 64, hidden: int = 256, batch: int = 8) -> TensorParallelMlp:
+    return TensorParallelMlp(MlpConfig(kind="mlp", layers=layers, width=width, hidden=hidden, batch=batch))
