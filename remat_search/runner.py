@@ -76,6 +76,8 @@ class DeviceInfo(BaseModel):
     of the key; 0 where a study stored its device before the field existed)."""
     program_fingerprint: str = ""
     """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
+    traced_names: tuple[str, ...] | None = None
+    """The ``checkpoint_name`` tags the traced step emits (None: it did not trace)."""
 
 
 class Runner:
@@ -285,7 +287,7 @@ def _serve(
     try:
         import jax
 
-        from remat_search.workload import build_workload, program_fingerprint
+        from remat_search.workload import build_workload, trace_step
 
         if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
@@ -299,13 +301,15 @@ def _serve(
         workload.use_mesh(mesh)  # before anything of it is traced (Workload.use_mesh)
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
+        traced = trace_step(workload)
         info = DeviceInfo(
             target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
             device_count=mesh.size if mesh is not None else 1,
             mesh=dict(mesh.shape) if mesh is not None else None,
             memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
-            program_fingerprint=program_fingerprint(workload),
+            program_fingerprint=traced.fingerprint,
+            traced_names=None if traced.names is None else tuple(sorted(traced.names)),
             compiler_options=json.dumps({
                 "options": compiler_options(target.platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},

@@ -102,6 +102,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
         device = runners[0].describe()  # the others start in their threads
+        _warn_untagged(spec, device)
         offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
         if offload and device.platform == "cpu":
             raise SpecError(
@@ -132,6 +133,21 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
                     f"`remat-search confirm --study {spec.study}` tries the confirmation again"
                 ) from None
         return study_report(study)
+
+
+def _warn_untagged(spec: SearchSpec, device: DeviceInfo) -> None:
+    """Say which choices name tensors the traced step never tags (a model's tags may depend on
+    its configuration): for those names such a choice saves nothing."""
+    if device.traced_names is None:
+        return
+    for choice in spec.space.choices:
+        missing = sorted(set(choice.policy.names) - set(device.traced_names))
+        if missing:
+            logger.warning(
+                "note: spec.space.choices: %r names %s, which the traced step never tags with checkpoint_name "
+                "(it tags %s): for those, the choice saves nothing", choice.label, missing,
+                ", ".join(device.traced_names) or "nothing",
+            )
 
 
 class _Stopped(Exception):

@@ -18,7 +18,7 @@ import importlib
 import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
@@ -198,18 +198,42 @@ class Workload(abc.ABC):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def program_fingerprint(workload: Workload) -> str:
-    """A hash of the no-remat training step's jaxpr: it changes when the model's code or the
-    optimizer does, even at the same shapes, so cached measurements of old code are not reused."""
+class TracedStep(NamedTuple):
+    """What tracing the no-remat training step tells of a workload."""
+
+    fingerprint: str
+    """A hash of its jaxpr: it changes when the model's code or the optimizer does, even at the
+    same shapes, so cached measurements of old code are not reused."""
+    names: frozenset[str] | None
+    """The ``checkpoint_name`` tags the step emits (a model's tags may depend on its
+    configuration); None where it does not trace."""
+
+
+def trace_step(workload: Workload) -> TracedStep:
+    """Trace ``workload``'s no-remat step (within its :meth:`Workload.tracing` context)."""
     import jax
 
     try:
         with workload.tracing():
             state, batch = workload.abstract_inputs()
-            text = str(jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch))
+            jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
     except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
-        text = f"does not trace: {type(e).__name__}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
+    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], frozenset(traced_names(jaxpr.jaxpr)))
+
+
+def traced_names(jaxpr: Any) -> set[str]:
+    """The ``checkpoint_name`` tags in ``jaxpr`` and the jaxprs inside it (jit, scan, remat, cond)."""
+    found: set[str] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(inner, "eqns"):
+                    found |= traced_names(inner)
+    return found
 
 
 def build_workload(config: WorkloadConfig) -> Workload:

@@ -111,3 +111,21 @@ def test_the_new_kinds_search_on_the_transformer_with_their_peaks_and_gradients(
     for t in report.trials:
         assert t.peak_bytes and t.measurement is not None and t.measurement.grad_rel_error is not None
         assert t.measurement.grad_rel_error <= spec.gradient_tolerance
+
+
+def test_a_choice_naming_a_tensor_the_traced_step_never_tags_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.conftest import spec_dict
+
+    spec = parse_spec(spec_dict(
+        f"sqlite:///{tmp_path / 'studies.db'}", trials=1, confirm={"top": 0},
+        workload={"factory": "tests.workloads:over_declared"},
+        space={"layout": "uniform", "choices": [{"label": "ghost", "names": ["never_tagged", "mlpwi"]}]},
+    ))
+    with caplog.at_level("WARNING", logger="remat_search"):
+        remat_search.run(spec)
+    assert [r.getMessage() for r in caplog.records if "never tags" in r.getMessage()] == [
+        "note: spec.space.choices: 'ghost' names ['never_tagged'], which the traced step never tags with "
+        + "checkpoint_name (it tags mlpwi, mlpwo): for those, the choice saves nothing"
+    ]

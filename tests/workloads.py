@@ -311,3 +311,13 @@ class TensorParallelMlp(MlpWorkload):
 
 def tensor_parallel(layers: int = 2, width: int = 64, hidden: int = 256, batch: int = 8) -> TensorParallelMlp:
     return TensorParallelMlp(MlpConfig(kind="mlp", layers=layers, width=width, hidden=hidden, batch=batch))
+
+
+class OverDeclaredMlp(MlpWorkload):
+    """Declares a tensor name its step never tags (as a model whose tags depend on its configuration)."""
+
+    tensor_names = frozenset({"mlpwi", "mlpwo", "never_tagged"})
+
+
+def over_declared() -> OverDeclaredMlp:
+    return OverDeclaredMlp(MlpConfig(kind="mlp", layers=2, width=16, hidden=32, batch=4))
