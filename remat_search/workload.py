@@ -32,6 +32,7 @@ PyTree = Any
 BUILTIN_WORKLOADS: dict[str, str] = {
     "transformer": "remat_search.transformer:TransformerWorkload",
     "mlp": "remat_search.mlp:MlpWorkload",
+    "nnx": "remat_search.nnx_workload:NnxWorkload",
 }
 """The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 
