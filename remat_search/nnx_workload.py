@@ -164,7 +164,7 @@ class NnxWorkload(Workload):
 
     def init_params(self, key: jax.Array) -> PyTree:
         """The model's ``nnx.Param`` s, as a plain nested dict (list indices are int keys)."""
-        return nnx.state(self._build(key), nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self._build(key), nnx.Param))
 
     def make_batch(self, key: jax.Array) -> PyTree:
         c = self.config
@@ -225,22 +225,20 @@ class NnxWorkload(Workload):
         params = jax.eval_shape(self.init_params, jax.random.key(0))
         tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32)
         plan = RematPlan.uniform("none", self.layers)
-        if c.loss is None:
+        try:
             logits = jax.eval_shape(functools.partial(self.forward, plan), params, tokens)
-            expected = (c.batch, c.seq_len, c.vocab)
-            if getattr(logits, "shape", None) != expected:
+            if c.loss is None and getattr(logits, "shape", None) != (c.batch, c.seq_len, c.vocab):
                 raise WorkloadError(
                     f"workload.model: model(tokens) returned {getattr(logits, 'shape', type(logits).__name__)}, "
-                    f"the default loss expects logits of shape {list(expected)} (batch, seq_len, vocab); "
-                    "or name a loss: 'package.module:function'"
+                    f"the default loss expects logits of shape {[c.batch, c.seq_len, c.vocab]} "
+                    "(batch, seq_len, vocab); or name a loss: 'package.module:function'"
                 )
-        try:
             jaxpr = jax.make_jaxpr(self.loss(plan))(params, tokens)
         except (WorkloadError, SpecError):
             raise
         except Exception as e:  # noqa: BLE001 - the user's model or loss fails to trace
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise WorkloadError(f"workload: the loss of {c.model!r} does not trace ({type(e).__name__}: {first})") from None
+            raise WorkloadError(f"workload: {c.model!r} does not trace ({type(e).__name__}: {first})") from None
         if jaxpr.out_avals[0].shape != ():
             raise WorkloadError(f"workload.loss: returned shape {list(jaxpr.out_avals[0].shape)}, expected a scalar")
         return emitted_names(jaxpr)

@@ -525,4 +525,4 @@ def _models_in(annotation: Any, tag: str | None = None) -> list[tuple[str | None
     return [found for arg in args for found in _models_in(arg, tag)]
 
 
-_TAGS = ("transformer", "mlp", "factory", "tpu", "local")
+_TAGS = ("transformer", "mlp", "nnx", "factory", "tpu", "local")

@@ -5,6 +5,7 @@ Token embeddings, ``layers`` pre-norm blocks (causal multi-head attention and a 
 residual), a final norm and the logits. The blocks tag tensors with ``checkpoint_name``
 (``query_proj``, ``key_proj``, ``value_proj``, ``context``, ``out_proj``, ``mlpwi``,
 ``mlpwo``), and ``tag_mlp=False`` leaves the MLP's two untagged, as a model's configuration can.
+``dropout > 0`` adds dropout after the MLP, drawing from an RNG stream the model holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from jax.ad_checkpoint import checkpoint_name
 class Block(nnx.Module):
     """One decoder layer."""
 
-    def __init__(self, d_model: int, heads: int, d_ff: int, *, tag_mlp: bool, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, d_model: int, heads: int, d_ff: int, *, tag_mlp: bool, dropout: float, rngs: nnx.Rngs
+    ) -> None:
         self.heads, self.tag_mlp = heads, tag_mlp
         self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
@@ -26,6 +29,7 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.wi = nnx.Linear(d_model, d_ff, rngs=rngs)
         self.wo = nnx.Linear(d_ff, d_model, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
@@ -45,6 +49,7 @@ class Block(nnx.Module):
         h = self.wi(self.mlp_norm(x))
         h = checkpoint_name(h, "mlpwi") if self.tag_mlp else h
         h = self.wo(jax.nn.gelu(h))
+        h = self.dropout(h) if self.dropout is not None else h
         return x + (checkpoint_name(h, "mlpwo") if self.tag_mlp else h)
 
 
@@ -53,10 +58,10 @@ class Decoder(nnx.Module):
 
     def __init__(
         self, vocab: int, d_model: int, heads: int, d_ff: int, layers: int, *, tag_mlp: bool = True,
-        rngs: nnx.Rngs,
+        dropout: float = 0.0, rngs: nnx.Rngs,
     ) -> None:
         self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, heads, d_ff, tag_mlp=tag_mlp, rngs=rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(d_model, heads, d_ff, tag_mlp=tag_mlp, dropout=dropout, rngs=rngs) for _ in range(layers)])
         self.final_norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs)
 
@@ -65,3 +70,21 @@ class Decoder(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.final_norm(x))
+
+
+class Detached(nnx.Module):
+    """A model whose structure does not allow substitution: it keeps its blocks in ``blocks``
+    but runs them from a tuple it made at construction, so replacing ``blocks``' elements
+    changes nothing it calls."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(d_model, d_model, rngs=rngs) for _ in range(layers)])
+        self.run_order = nnx.data(tuple(self.blocks))
+        self.head = nnx.Linear(d_model, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.run_order:
+            x = jnp.tanh(block(x))
+        return self.head(x)
