@@ -408,6 +408,8 @@ class SearchSpec(_Frozen):
             raise ValueError(
                 "space.nested: the nested layout cannot be scanned; set workload.scan: false or nested: false"
             )
+        if self.space.nested and isinstance(self.workload, NnxConfig):
+            raise ValueError("space.nested: an nnx model runs its blocks itself, so they cannot be nested; set nested: false")
         return self
 
 

@@ -131,6 +131,7 @@ BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
     ("model fails", {"args": {**ARGS, "heads": "two"}}, "workload: 'tests.models.nnx_decoder:Decoder' does not trace (TypeError: "),
     ("constructor fails", {"args": {**ARGS, "depth": 2}}, "workload.model: 'tests.models.nnx_decoder:Decoder' raised TypeError: "),
     ("logits of another shape", {"vocab": 65}, "the default loss expects logits of shape [4, 16, 65]"),
+    ("nested", {}, "space.nested: an nnx model runs its blocks itself"),
     ("model path", {"model": "tests.models.nnx_decoder.Decoder"}, "spec.workload.model: expected an import path 'package.module:Name'"),
 ]
 
@@ -138,7 +139,7 @@ BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
 @pytest.mark.parametrize(("case", "change", "message"), BAD_STRUCTURE, ids=[c[0] for c in BAD_STRUCTURE])
 def test_a_structure_that_does_not_allow_it_is_one_line(cli, tmp_path: Path, storage_url: str, case: str, change: dict,  # type: ignore[no-untyped-def]
                                                          message: str) -> None:
-    spec = spec_dict(storage_url, workload={**WORKLOAD, **change}, space={"choices": CHOICES})
+    spec = spec_dict(storage_url, workload={**WORKLOAD, **change}, space={"choices": CHOICES, "nested": case == "nested"})
     result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
     assert result.exit_code == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
