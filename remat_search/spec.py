@@ -109,6 +109,39 @@ class FactoryConfig(_Frozen):
         return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:function'")
 
 
+class NnxConfig(_Frozen):
+    """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
+    returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
+
+    kind: Literal["nnx"]
+    model: str
+    """``"package.module:Name"``: the model class, or a function returning the model."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """The constructor's keyword arguments."""
+    blocks: str = "blocks"
+    """The attribute (a dotted path: ``decoder.layers``) holding the list of blocks the
+    model's ``__call__`` runs; each is checkpointed by its layer's policy."""
+    batch: PositiveInt
+    seq_len: PositiveInt
+    vocab: PositiveInt
+    """The default loss: next-token cross-entropy of ``model(tokens)``'s logits on random
+    int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
+    loss: str | None = None
+    """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
+
+    @field_validator("model", "loss")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:Name'")
+
+    @field_validator("blocks")
+    @classmethod
+    def _attribute_path(cls, value: str) -> str:
+        return _matching(value, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an attribute name or a dotted path such as 'decoder.layers'")
+
+
 def _workload_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         return "factory" if "factory" in value else value.get("kind")
@@ -120,11 +153,12 @@ def _workload_tag(value: Any) -> str | None:
 WorkloadConfig = Annotated[
     Annotated[TransformerConfig, Tag("transformer")]
     | Annotated[MlpConfig, Tag("mlp")]
+    | Annotated[NnxConfig, Tag("nnx")]
     | Annotated[FactoryConfig, Tag("factory")],
     Discriminator(
         _workload_tag,
         custom_error_type="workload_kind",
-        custom_error_message="expected kind: transformer or mlp, or factory: 'package.module:function'",
+        custom_error_message="expected kind: transformer, mlp or nnx, or factory: 'package.module:function'",
     ),
 ]
 
@@ -376,6 +410,8 @@ class SearchSpec(_Frozen):
             raise ValueError(
                 "space.nested: the nested layout cannot be scanned; set workload.scan: false or nested: false"
             )
+        if self.space.nested and isinstance(self.workload, NnxConfig):
+            raise ValueError("space.nested: an nnx model runs its blocks itself, so they cannot be nested; set nested: false")
         return self
 
 
@@ -493,4 +529,4 @@ def _models_in(annotation: Any, tag: str | None = None) -> list[tuple[str | None
     return [found for arg in args for found in _models_in(arg, tag)]
 
 
-_TAGS = ("transformer", "mlp", "factory", "tpu", "local")
+_TAGS = ("transformer", "mlp", "nnx", "factory", "tpu", "local")

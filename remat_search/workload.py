@@ -33,6 +33,7 @@ PyTree = Any
 BUILTIN_WORKLOADS: dict[str, str] = {
     "transformer": "remat_search.transformer:TransformerWorkload",
     "mlp": "remat_search.mlp:MlpWorkload",
+    "nnx": "remat_search.nnx_workload:NnxWorkload",
 }
 """The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 
@@ -219,21 +220,21 @@ def trace_step(workload: Workload) -> TracedStep:
             jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
     except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
         return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
-    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], frozenset(traced_names(jaxpr.jaxpr)))
+    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))
 
 
-def traced_names(jaxpr: Any) -> set[str]:
-    """The ``checkpoint_name`` tags in ``jaxpr`` and the jaxprs inside it (jit, scan, remat, cond)."""
+def traced_names(jaxpr: Any) -> frozenset[str]:
+    """The ``checkpoint_name`` tags (the ``name`` primitive) in ``jaxpr`` (a ClosedJaxpr or a
+    Jaxpr) and every jaxpr inside it (jit, scan, remat, cond)."""
     found: set[str] = set()
-    for eqn in jaxpr.eqns:
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         if eqn.primitive.name == "name":
             found.add(eqn.params["name"])
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
-                if hasattr(inner, "eqns"):
-                    found |= traced_names(inner)
-    return found
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    found |= traced_names(sub)
+    return frozenset(found)
 
 
 def build_workload(config: WorkloadConfig) -> Workload:

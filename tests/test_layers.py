@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"spec"},
     {"space", "target"},
     {"workload"},
-    {"transformer", "mlp"},
+    {"transformer", "mlp", "nnx_workload"},
     {"measurement"},
     {"executables"},
     {"runner"},
