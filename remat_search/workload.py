@@ -3,7 +3,7 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
 times: a donated training step (``step``).
-Built-in kinds are ``transformer`` and ``mlp``, found through :data:`BUILTIN_WORKLOADS`
+Built-in kinds are ``transformer``, ``mlp`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
 is built, not with this module: reading studies needs none.
@@ -32,6 +32,7 @@ PyTree = Any
 BUILTIN_WORKLOADS: dict[str, str] = {
     "transformer": "remat_search.transformer:TransformerWorkload",
     "mlp": "remat_search.mlp:MlpWorkload",
+    "linen": "remat_search.linen_workload:LinenWorkload",
 }
 """The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 

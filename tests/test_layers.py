@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"spec"},
     {"space", "target"},
     {"workload"},
-    {"transformer", "mlp"},
+    {"transformer", "mlp", "linen_workload"},
     {"measurement"},
     {"executables"},
     {"runner"},
