@@ -88,6 +88,11 @@ def test_the_block_class_finds_the_same_layers(workload: LinenWorkload) -> None:
     assert by_class.fingerprint() == workload.fingerprint()
 
 
+def test_the_model_may_come_from_a_function(workload: LinenWorkload) -> None:
+    made = build_workload(LinenConfig(**{**LINEN, "model": "tests.models.linen_decoder:tiny_decoder", "args": {"layers": 2}}))
+    assert made.layers == 2 and made.tensor_names == workload.tensor_names
+
+
 def test_policies_change_the_compiled_peak(workload: LinenWorkload) -> None:
     executables = Executables(workload)
     peak = {k: executables.build(RematPlan.uniform(k, 3)).memory.peak for k in ("none", "full", "dots")}
@@ -118,6 +123,8 @@ BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
     ("model lacks the name", {"model": "tests.models.linen_decoder:Nope"}, "workload.model: 'tests.models.linen_decoder:Nope'"),
     ("bad arguments", {"args": {"vocab": 64}}, "workload.model: raised TypeError"),
     ("wrong logits", {"vocab": 65}, "workload.model: returns [(2, 128, 64)], expected logits of shape [2, 128, 65]"),
+    ("other collections", {"model": "flax.linen:BatchNorm", "args": {"use_running_average": False}},
+     "workload.model: has variable collections ['batch_stats'] besides params"),
     ("no layers named", {"blocks": None}, "spec.workload: name the model's layers"),
     ("bad import path", {"model": "Decoder"}, "spec.workload.model: expected an import path"),
 ]

@@ -66,3 +66,8 @@ def z_loss_cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     log_z = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return (log_z - picked + 1e-4 * log_z**2).mean()
+
+
+def tiny_decoder(layers: int) -> Decoder:
+    """A decoder of ``layers`` blocks at a tiny width, as a project's model-size presets are."""
+    return Decoder(vocab=64, layers=layers, d_model=32, heads=2, d_ff=64)
