@@ -20,7 +20,6 @@ plan cannot regroup it.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
 from remat_search.spec import NnxConfig
-from remat_search.workload import PyTree, Workload, traced_names
+from remat_search.workload import PyTree, Workload, import_object, next_token_loss, traced_names
 
 
 class Checkpointed(nnx.Module):
@@ -67,26 +65,6 @@ class Checkpointed(nnx.Module):
         return out
 
 
-def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of position ``t``'s logits against token ``t + 1`` (in float32)."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits[:, :-1].astype(jnp.float32), tokens[:, 1:]
-    ).mean()
-
-
-def _import(path: str, field: str) -> Any:
-    module_name, name = path.split(":")
-    where = f"workload.{field}: {path!r}"
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
-        raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
-    found = getattr(module, name, None)
-    if not callable(found):
-        raise WorkloadError(f"{where}: module {module_name!r} has no class or function {name!r}")
-    return found
-
-
 def _takes_rngs(constructor: Callable[..., Any]) -> bool:
     try:
         signature = inspect.signature(constructor.__init__ if isinstance(constructor, type) else constructor)
@@ -101,8 +79,8 @@ class NnxWorkload(Workload):
     def __init__(self, config: NnxConfig) -> None:
         self.config = config
         self.name = f"nnx {config.model}"
-        self._constructor = _import(config.model, "model")
-        self._loss_of_logits = _import(config.loss, "loss") if config.loss else next_token_loss
+        self._constructor = import_object(config.model, "workload.model")
+        self._loss_of_logits = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
         abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
         self.layers = len(self._blocks(abstract)[2])
         self._graphdef, self._params_shape, rest = nnx.split(abstract, nnx.Param, ...)

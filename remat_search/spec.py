@@ -142,6 +142,49 @@ class NnxConfig(_Frozen):
         return _matching(value, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an attribute name or a dotted path such as 'decoder.layers'")
 
 
+class LinenConfig(_Frozen):
+    """A user's Flax linen model, searched with no ``Workload`` subclass (``linen_workload.py``).
+
+    ``model`` (a ``nn.Module`` class, or a function returning a module) is called with
+    ``args``; the module maps int32 tokens ``[batch, seq_len]`` to logits
+    ``[batch, seq_len, vocab]``. Its layers are the calls of ``block`` (the class of the
+    model's blocks) or of the submodules that ``blocks`` names (the attribute ``blocks`` of a
+    list made in ``setup`` gives ``blocks_0``, ``blocks_1``, …): layer ``i`` is the ``i``-th
+    such call in one forward pass, checkpointed with the plan's policy for ``i``."""
+
+    kind: Literal["linen"]
+    model: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    block: str | None = None
+    blocks: str | None = None
+    batch: PositiveInt
+    seq_len: PositiveInt
+    vocab: PositiveInt
+    loss: str | None = None
+    """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
+    next-token cross-entropy of the logits on the tokens."""
+
+    @field_validator("model", "block", "loss")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
+
+    @field_validator("blocks")
+    @classmethod
+    def _attribute(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        return _matching(value, r"[A-Za-z_]\w*", "a submodule or attribute name such as 'blocks'")
+
+    @model_validator(mode="after")
+    def _layers_named(self) -> LinenConfig:
+        if self.block is None and self.blocks is None:
+            raise ValueError("name the model's layers: block: 'package.module:Block' or blocks: ATTRIBUTE")
+        return self
+
+
 def _workload_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         return "factory" if "factory" in value else value.get("kind")
@@ -154,11 +197,12 @@ WorkloadConfig = Annotated[
     Annotated[TransformerConfig, Tag("transformer")]
     | Annotated[MlpConfig, Tag("mlp")]
     | Annotated[NnxConfig, Tag("nnx")]
+    | Annotated[LinenConfig, Tag("linen")]
     | Annotated[FactoryConfig, Tag("factory")],
     Discriminator(
         _workload_tag,
         custom_error_type="workload_kind",
-        custom_error_message="expected kind: transformer, mlp or nnx, or factory: 'package.module:function'",
+        custom_error_message="expected kind: transformer, mlp, nnx or linen, or factory: 'package.module:function'",
     ),
 ]
 
@@ -412,6 +456,8 @@ class SearchSpec(_Frozen):
             )
         if self.space.nested and isinstance(self.workload, NnxConfig):
             raise ValueError("space.nested: an nnx model runs its blocks itself, so they cannot be nested; set nested: false")
+        if self.space.nested and isinstance(self.workload, LinenConfig):
+            raise ValueError("space.nested: a linen model's layers cannot be nested; set nested: false")
         return self
 
 
@@ -529,4 +575,4 @@ def _models_in(annotation: Any, tag: str | None = None) -> list[tuple[str | None
     return [found for arg in args for found in _models_in(arg, tag)]
 
 
-_TAGS = ("transformer", "mlp", "nnx", "factory", "tpu", "local")
+_TAGS = ("transformer", "mlp", "nnx", "linen", "factory", "tpu", "local")

@@ -3,7 +3,7 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
 times: a donated training step (``step``).
-Built-in kinds are ``transformer`` and ``mlp``, found through :data:`BUILTIN_WORKLOADS`
+Built-in kinds are ``transformer``, ``mlp`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
 is built, not with this module: reading studies needs none.
@@ -34,6 +34,7 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "transformer": "remat_search.transformer:TransformerWorkload",
     "mlp": "remat_search.mlp:MlpWorkload",
     "nnx": "remat_search.nnx_workload:NnxWorkload",
+    "linen": "remat_search.linen_workload:LinenWorkload",
 }
 """The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 
@@ -235,6 +236,31 @@ def traced_names(jaxpr: Any) -> frozenset[str]:
                 if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
                     found |= traced_names(sub)
     return frozenset(found)
+
+
+def import_object(path: str, where: str) -> Any:
+    """The object at ``"package.module:Name"`` (``Name`` may be dotted); else a one-line
+    :class:`WorkloadError` naming the spec field ``where`` (``workload.model``)."""
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise WorkloadError(f"{where}: {path!r} does not import ({type(e).__name__}: {first})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise WorkloadError(f"{where}: {path!r}: module {module_name!r} has no class or function {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """A language model's default loss: the mean cross-entropy of position ``t``'s logits
+    against token ``t + 1``, in float32."""
+    import jax.numpy as jnp
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
 
 
 def build_workload(config: WorkloadConfig) -> Workload:

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"spec"},
     {"space", "target"},
     {"workload"},
-    {"transformer", "mlp", "nnx_workload"},
+    {"transformer", "mlp", "nnx_workload", "linen_workload"},
     {"measurement"},
     {"executables"},
     {"runner"},
