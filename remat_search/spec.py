@@ -109,6 +109,13 @@ class FactoryConfig(_Frozen):
         return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:function'")
 
 
+def _import_path(value: str | None) -> str | None:
+    """``value`` if it is an import path ``package.module:Name`` (``Name`` may be dotted), or None."""
+    if value is None:
+        return None
+    return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
+
+
 class NnxConfig(_Frozen):
     """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
     returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
@@ -129,12 +136,7 @@ class NnxConfig(_Frozen):
     loss: str | None = None
     """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
 
-    @field_validator("model", "loss")
-    @classmethod
-    def _import_path(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:Name'")
+    _import_paths = field_validator("model", "loss")(lambda value: _import_path(value))
 
     @field_validator("blocks")
     @classmethod
@@ -164,12 +166,7 @@ class LinenConfig(_Frozen):
     """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
     next-token cross-entropy of the logits on the tokens."""
 
-    @field_validator("model", "block", "loss")
-    @classmethod
-    def _import_path(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
+    _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
 
     @field_validator("blocks")
     @classmethod
