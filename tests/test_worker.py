@@ -187,3 +187,15 @@ def test_a_factory_beside_the_spec_imports_in_the_search_and_its_worker(tmp_path
     stdout, stderr = search.communicate(timeout=300)
     assert search.returncode == 2 and stderr.count("\n") == 1, stderr
     assert "workload.factory: 'found_nowhere:make' does not import: no module 'found_nowhere' on the import path" in stderr
+
+
+def test_bad_worker_and_submit_input_is_one_line_and_writes_nothing(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    for args, said in [
+        (("worker", "--storage", "notaurl", "--until-idle"), "error: storage: 'notaurl' is not a database URL"),
+        (("worker", "--storage", f"sqlite:///{tmp_path}/no/such/dir.db", "--until-idle"), "error: storage: directory"),
+        (("worker", "--workers", "0", "--until-idle"), "error: --workers: expected a positive number"),
+        (("submit", str(tmp_path / "missing.yaml")), "error: spec: cannot read"),
+    ]:
+        result = cli(*args)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith(said), result.stderr
+    assert list(tmp_path.iterdir()) == []
