@@ -27,7 +27,7 @@ from remat_search.liveness import heartbeat_storage_options, recover
 from remat_search.results import TrialResult
 from remat_search.search import run
 from remat_search.space import Space
-from remat_search.store import LAYERS_ATTR, SPEC_ATTR, check_storage, open_storage, translate_errors
+from remat_search.store import LAYERS_ATTR, SPEC_ATTR, open_storage, translate_errors
 from remat_search.study import Progress, finished_trials
 from remat_search.submission import spec_of_submitted
 
@@ -45,10 +45,9 @@ def work(
     study at a time, until interrupted (or, with ``until_idle``, until none is left).
 
     Ctrl-C (KeyboardInterrupt, raised again) fails the trials in hand as interrupted and
-    queues their plans again, as ``run`` does; ``on_event`` has heard each as ``trial``
-    without a ``result``."""
+    queues their plans again, as ``run`` does; ``on_event`` has heard each as ``measuring``
+    with no ``trial`` event after it."""
     tell = on_event or (lambda _: None)
-    check_storage(storage, create=True)
     opened = open_storage(storage, create=True)  # a new, empty database has no studies yet
     left_alone: set[str] = set()
     idle = False
@@ -70,12 +69,9 @@ def work(
         tell({"event": "study", "study": name, "done": finished_trials(study), "total": spec.trials})
         try:
             report = run(spec, on_progress=lambda p, name=name: _progress(name, p, tell))
-        except RunError as e:  # the trials are kept; only what came after them failed
-            tell({"event": "error", "study": name, "error": str(e)})
-            continue
-        except RematSearchError as e:  # not for this host: its device, its budget, its workload
-            left_alone.add(name)
-            tell({"event": "left", "study": name, "reason": str(e)})
+        except RematSearchError as e:  # not for this host (its device, budget, workload), or it failed here
+            left_alone.add(name)  # once: another worker may measure it; this one would fail it again
+            tell({"event": "error" if isinstance(e, RunError) else "left", "study": name, "reason": str(e)})
             continue
         tell({
             "event": "finished", "study": name,

@@ -125,15 +125,16 @@ def test_sigterm_puts_the_trial_in_hand_back_and_exits_0(tmp_path: Path, storage
 def test_a_study_whose_last_trial_died_with_its_worker_is_finished_by_another(storage_url: str) -> None:
     """Finished plus running trials reach ``trials``, but the running one is dead: a worker
     looking for work takes it back (by pid here; by heartbeat from another host)."""
-    submit(parse_spec(spec_dict(
-        storage_url, **{**SMALL, "trials": 2, "space": {"layout": "uniform", "choices": ["none", "full"]}}
+    submit(parse_spec(spec_dict(  # each compile takes 2 s: the kill lands while trial 1 compiles
+        storage_url, **{**SMALL, "trials": 2, "space": {"layout": "uniform", "choices": ["none", "dots"]}},
+        workload={"factory": "tests.workloads:slow_compile", "args": {"seconds": 2.0}},  # (full: the anchor, compiled)
     )))
     first = run_process("worker", "--storage", storage_url, stderr=subprocess.DEVNULL)
     assert first.stdout is not None
     assert json.loads(first.stdout.readline())["event"] == "study"
     assert json.loads(first.stdout.readline())["trial"] == 0
     deadline = time.monotonic() + 300
-    while not _study(storage_url).get_trials(states=(TrialState.RUNNING,)):  # trial 1, in its hands
+    while not [t for t in _study(storage_url).get_trials(states=(TrialState.RUNNING,)) if "plan" in t.user_attrs]:
         assert first.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     first.kill()
@@ -144,7 +145,7 @@ def test_a_study_whose_last_trial_died_with_its_worker_is_finished_by_another(st
     second = run_process("worker", "--storage", storage_url, "--until-idle", stderr=subprocess.PIPE)
     stdout, stderr = second.communicate(timeout=600)
     assert second.returncode == 0, stdout + stderr
-    assert [json.loads(line)["plan"] for line in stdout.splitlines() if '"trial"' in line] == ["full×2"]
+    assert [json.loads(line)["plan"] for line in stdout.splitlines() if '"trial"' in line] == ["dots×3"]
     states = [t.state for t in _study(storage_url).get_trials()]
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]  # the dead one failed, its plan redone
 
