@@ -95,37 +95,29 @@ def test_dots_no_batch_names_saves_the_matmuls_and_the_named_tensors() -> None:
     assert "named b" not in _saved("dots_no_batch", ())
 
 
-def test_the_new_kinds_search_on_the_transformer_with_their_peaks_and_gradients(tmp_path: Path) -> None:
+def test_the_new_kinds_search_with_their_peaks_and_gradients_and_untagged_names_are_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
     """Each kind in a real study: compiled (its peak in the table), run, and its first step
-    within the gradient tolerance of full remat's."""
+    within the gradient tolerance of full remat's. A choice naming a tensor the traced step
+    never tags (the workload declares it, its step does not emit it) is said."""
     from tests.conftest import spec_dict
 
     spec = parse_spec(spec_dict(
         f"sqlite:///{tmp_path / 'studies.db'}", trials=2, confirm={"top": 0},
+        workload={"factory": "tests.workloads:over_declared"},
         space={"layout": "uniform", "choices": [
-            {"label": "all_but_ctx", "names_except": ["context"]}, {"label": "dnb_ctx", "dots_no_batch_names": ["context"]},
+            {"label": "all_but_wi", "names_except": ["mlpwi", "never_tagged"]},
+            {"label": "dnb_wo", "dots_no_batch_names": ["mlpwo"]},
         ]},
     ))
-    report = remat_search.run(spec)
-    assert [(t.summary(), t.status) for t in report.trials] == [("all_but_ctx×2", "measured"), ("dnb_ctx×2", "measured")]
+    with caplog.at_level("WARNING", logger="remat_search"):
+        report = remat_search.run(spec)
+    assert [(t.summary(), t.status) for t in report.trials] == [("all_but_wi×2", "measured"), ("dnb_wo×2", "measured")]
     for t in report.trials:
         assert t.peak_bytes and t.measurement is not None and t.measurement.grad_rel_error is not None
         assert t.measurement.grad_rel_error <= spec.gradient_tolerance
-
-
-def test_a_choice_naming_a_tensor_the_traced_step_never_tags_is_said(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
-) -> None:
-    from tests.conftest import spec_dict
-
-    spec = parse_spec(spec_dict(
-        f"sqlite:///{tmp_path / 'studies.db'}", trials=1, confirm={"top": 0},
-        workload={"factory": "tests.workloads:over_declared"},
-        space={"layout": "uniform", "choices": [{"label": "ghost", "names": ["never_tagged", "mlpwi"]}]},
-    ))
-    with caplog.at_level("WARNING", logger="remat_search"):
-        remat_search.run(spec)
     assert [r.getMessage() for r in caplog.records if "never tags" in r.getMessage()] == [
-        "note: spec.space.choices: 'ghost' names ['never_tagged'], which the traced step never tags with "
+        "note: spec.space.choices: 'all_but_wi' names ['never_tagged'], which the traced step never tags with "
         + "checkpoint_name (it tags mlpwi, mlpwo): for those, the choice saves nothing"
     ]

@@ -125,9 +125,9 @@ def test_sigterm_puts_the_trial_in_hand_back_and_exits_0(tmp_path: Path, storage
 def test_a_study_whose_last_trial_died_with_its_worker_is_finished_by_another(storage_url: str) -> None:
     """Finished plus running trials reach ``trials``, but the running one is dead: a worker
     looking for work takes it back (by pid here; by heartbeat from another host)."""
-    submit(parse_spec(spec_dict(  # each compile takes 2 s: the kill lands while trial 1 compiles
+    submit(parse_spec(spec_dict(  # each compile takes 1 s: the kill lands while trial 1 compiles
         storage_url, **{**SMALL, "trials": 2, "space": {"layout": "uniform", "choices": ["none", "dots"]}},
-        workload={"factory": "tests.workloads:slow_compile", "args": {"seconds": 2.0}},  # (full: the anchor, compiled)
+        workload={"factory": "tests.workloads:slow_compile", "args": {"seconds": 1.0}},  # (full: the anchor, compiled)
     )))
     first = run_process("worker", "--storage", storage_url, stderr=subprocess.DEVNULL)
     assert first.stdout is not None
