@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search import cache
+from remat_search.errors import StorageError
 from remat_search.liveness import counts
 from remat_search.results import trial_result
 from remat_search.search import run
@@ -177,7 +178,13 @@ def test_a_search_goes_on_when_another_search_finishes_its_trial_first(storage_u
     while not db.exists():
         assert search.is_alive() and time.monotonic() < deadline
         time.sleep(0.05)
-    storage = open_storage(storage_url)  # waits out the search making the tables
+    while True:  # the search is making optuna's tables: open once they are there
+        try:
+            storage = open_storage(storage_url)
+            break
+        except StorageError:
+            assert search.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
     while True:  # the first trial is being measured (its compile sleeps 1 s)
         assert search.is_alive() and time.monotonic() < deadline
         studies = optuna.get_all_study_summaries(storage, include_best_trial=False)
