@@ -238,18 +238,27 @@ def traced_names(jaxpr: Any) -> frozenset[str]:
     return frozenset(found)
 
 
-def import_object(path: str, where: str) -> Any:
+def import_object(path: str, where: str, *, what: str = "class or function") -> Any:
     """The object at ``"package.module:Name"`` (``Name`` may be dotted); else a one-line
-    :class:`WorkloadError` naming the spec field ``where`` (``workload.model``)."""
+    :class:`WorkloadError` naming the spec field ``where`` (``workload.model``). A module that
+    is not found is said with where it was looked for: the worker processes share this path."""
     module_name, _, attr = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):  # the module imports what is missing
+            raise WorkloadError(f"{where}: {path!r} does not import ({type(e).__name__}: {e})") from None
+        raise WorkloadError(
+            f"{where}: {path!r} does not import: no module {e.name!r} on the import path, which the worker "
+            f"process shares (the spec's folder and the current one first for the CLI, then $PYTHONPATH): put "
+            f"it there, add its folder to PYTHONPATH, or pip install its package"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
         first = (str(e).strip().splitlines() or [""])[0]
         raise WorkloadError(f"{where}: {path!r} does not import ({type(e).__name__}: {first})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise WorkloadError(f"{where}: {path!r}: module {module_name!r} has no class or function {attr!r}")
+            raise WorkloadError(f"{where}: {path!r}: module {module_name!r} has no {what} {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -272,22 +281,10 @@ def build_workload(config: WorkloadConfig) -> Workload:
 
 
 def _from_factory(config: FactoryConfig) -> Workload:
-    module_name, function_name = config.factory.split(":")
     where = f"workload.factory: {config.factory!r}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):  # the factory's module imports what is missing
-            raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
-        raise WorkloadError(
-            f"{where} does not import: no module {e.name!r} on the import path, which the worker process "
-            f"shares (the spec's folder and the current one first for the CLI, then $PYTHONPATH): put it "
-            f"there, add its folder to PYTHONPATH, or pip install its package"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's factory's
-        raise WorkloadError(f"{where} does not import ({type(e).__name__}: {e})") from None
-    factory = getattr(module, function_name, None)
+    factory = import_object(config.factory, "workload.factory", what="function")
     if not callable(factory):
+        module_name, _, function_name = config.factory.partition(":")
         raise WorkloadError(f"{where}: module {module_name!r} has no function {function_name!r}")
     try:
         workload = factory(**config.args)
