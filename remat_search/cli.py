@@ -576,6 +576,8 @@ def show(
         output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
     else:
         output.console.print(output.describe_trial(found), highlight=False)
+    if stored.device.get("shardings"):
+        output.console.print(output.sharding_line(stored.device.get("mesh"), stored.device["shardings"]), highlight=False)
     if report is not None and path is not None:
         _draw(report, path, layers=True)
 

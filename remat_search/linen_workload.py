@@ -29,11 +29,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
 from remat_search.spec import LinenConfig
-from remat_search.workload import PyTree, Workload, import_object, next_token_loss, traced_names
+from remat_search.workload import PyTree, Workload, import_object, next_token_loss, rules_on, traced_names
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)
 """True while a layer runs: the calls it makes are its own, not layers."""
@@ -118,11 +119,46 @@ class LinenWorkload(Workload):
         if others:
             raise WorkloadError(f"workload.model: has variable collections {others} besides params; "
                                 "only params are supported (use workload.factory)")
-        return variables.get("params", {})
+        self._boxed = variables.get("params", {})
+        return nn.meta.unbox(self._boxed)
 
     def init_params(self, key: jax.Array) -> PyTree:
         tokens = jnp.zeros((1, self.config.seq_len), jnp.int32)
-        return self.module.init(key, tokens)["params"]
+        return nn.meta.unbox(self.module.init(key, tokens)["params"])
+
+    def param_partitioning(self) -> PyTree | None:
+        """The model's own: each parameter's ``nn.with_partitioning`` mesh axes, or its
+        ``nn.with_logical_partitioning`` names mapped by ``workload.logical_axis_rules``
+        (unannotated parameters replicated); None where no parameter is annotated."""
+        boxes = jax.tree.leaves(self._boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+        if not any(isinstance(b, nn.Partitioned) for b in boxes):
+            return None
+        rules = self.config.logical_axis_rules
+        logical = sorted({n for b in boxes if isinstance(b, nn.LogicallyPartitioned) for n in b.names if n})
+        if logical and rules is None:
+            raise WorkloadError(
+                f"workload.logical_axis_rules: the model partitions its parameters by logical names {logical}; "
+                "map them onto the mesh: [[name, mesh axis or null], ...]"
+            )
+
+        def spec(box: Any) -> PartitionSpec:
+            if isinstance(box, nn.LogicallyPartitioned):
+                return PartitionSpec(*nn.logical_to_mesh_axes(box.names, rules))
+            if isinstance(box, nn.Partitioned):
+                return PartitionSpec(*box.names)
+            return PartitionSpec()
+
+        return jax.tree.map(spec, self._boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so
+        the model's own sharding constraints (``nn.with_logical_constraint``) apply."""
+        stack = contextlib.ExitStack()
+        if self.config.logical_axis_rules is not None:
+            stack.enter_context(nn.logical_axis_rules(rules_on(self.config.logical_axis_rules, self.mesh)))
+        if self.mesh is not None:
+            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+        return stack
 
     def make_batch(self, key: jax.Array) -> PyTree:
         c = self.config

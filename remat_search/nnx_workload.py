@@ -19,6 +19,7 @@ plan cannot regroup it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from flax import nnx
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
 from remat_search.spec import NnxConfig
-from remat_search.workload import PyTree, Workload, import_object, next_token_loss, traced_names
+from remat_search.workload import PyTree, Workload, import_object, next_token_loss, rules_on, traced_names
 
 
 class Checkpointed(nnx.Module):
@@ -83,6 +84,7 @@ class NnxWorkload(Workload):
         self._loss_of_logits = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
         abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
         self.layers = len(self._blocks(abstract)[2])
+        self._partitioning = self._read_partitioning(nnx.state(abstract, nnx.Param))
         self._graphdef, self._params_shape, rest = nnx.split(abstract, nnx.Param, ...)
         self._stateless = not jax.tree.leaves(rest)
         """No variables but parameters: the loss merges the model from them, else it rebuilds it."""
@@ -93,8 +95,9 @@ class NnxWorkload(Workload):
         kwargs = dict(self.config.args)
         if "rngs" not in kwargs and _takes_rngs(self._constructor):
             kwargs["rngs"] = nnx.Rngs(key)
-        try:
-            model = self._constructor(**kwargs)
+        try:  # sharding metadata kept, not applied: the step's shardings place the parameters
+            with nnx.use_eager_sharding(False):
+                model = self._constructor(**kwargs)
         except Exception as e:  # noqa: BLE001 - the user's constructor's failure, in one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise WorkloadError(f"workload.model: {self.config.model!r} raised {type(e).__name__}: {first}") from None
@@ -125,6 +128,31 @@ class NnxWorkload(Workload):
                 "nnx.Modules the model's __call__ runs (an nnx.List or a list)"
             )
         return owner[-2], parents[-1], blocks
+
+    def _read_partitioning(self, params: nnx.State) -> PyTree | None:
+        """Each parameter's ``out_sharding`` metadata (``nnx.with_partitioning``) as a
+        ``PartitionSpec``, logical names mapped by ``workload.logical_axis_rules``; None where
+        no parameter has any."""
+        annotated = [v for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                     if isinstance(v, nnx.Variable) and v.get_metadata().get("out_sharding")]
+        if not annotated:
+            return None
+        with self.tracing():
+            return nnx.to_pure_dict(nnx.get_partition_spec(params))
+
+    def param_partitioning(self) -> PyTree | None:
+        """The model's own (see :meth:`_read_partitioning`)."""
+        return self._partitioning
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so
+        the model's own sharding constraints apply."""
+        stack = contextlib.ExitStack()
+        if self.config.logical_axis_rules is not None:
+            stack.enter_context(nnx.logical_axis_rules(rules_on(self.config.logical_axis_rules, self.mesh)))
+        if self.mesh is not None:
+            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+        return stack
 
     def init_params(self, key: jax.Array) -> PyTree:
         """The model's ``nnx.Param`` s, as a plain nested dict (list indices are int keys)."""

@@ -206,6 +206,11 @@ def budget_line(written: str | None, budget: int) -> str:
     return f"budget {written} = {format_bytes(budget)}"
 
 
+def sharding_line(mesh: dict[str, int] | None, shardings: str) -> str:
+    """Where the state's shardings over the mesh came from, in a line (``run`` and ``show``)."""
+    return f"shardings over mesh {mesh}: {shardings}"
+
+
 def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> list[str]:
     """What a search's or a confirmation's event says, as lines (a trial's: :func:`trial_line`).
     ``budget_given``: the spec gave a budget (already echoed), else the device's is said here."""
@@ -216,6 +221,8 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
             f"{d.device_kind}" + (f", mesh {d.mesh}" if d.mesh else "")
             + ("" if d.executes else " (compile only: step times are roofline estimates)")
         ]
+        if d.shardings:
+            lines.append(sharding_line(d.mesh, d.shardings))
         if not budget_given:
             lines.append(budget_line(None, p.budget))
         if p.done >= p.total:

@@ -18,6 +18,7 @@ traceback in its error (after its first line), and the search prints it on stder
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Self
+from typing import Any, Self
 
 import psutil
 from pydantic import BaseModel, ConfigDict
@@ -78,6 +79,12 @@ class DeviceInfo(BaseModel):
     """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
     traced_names: tuple[str, ...] | None = None
     """The ``checkpoint_name`` tags the traced step emits (None: it did not trace)."""
+    shardings: str | None = None
+    """Over a mesh, where the state's shardings come from (:meth:`Workload.sharding_source`):
+    the model's own partitioning or the FSDP heuristic; None without a mesh."""
+    sharding_digest: str = ""
+    """Hash of the state's and batch's ``PartitionSpec`` s over the mesh ("" without one):
+    part of the measurement cache key, as the model's partitioning changes per-chip memory."""
 
 
 class Runner:
@@ -310,6 +317,8 @@ def _serve(
             workload_fingerprint=workload.fingerprint(),
             program_fingerprint=traced.fingerprint,
             traced_names=None if traced.names is None else tuple(sorted(traced.names)),
+            shardings=workload.sharding_source() if mesh is not None else None,
+            sharding_digest=_sharding_digest(workload, mesh),
             compiler_options=json.dumps({
                 "options": compiler_options(target.platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
@@ -317,7 +326,7 @@ def _serve(
             compiler_version=target.compiler_version(),
             measurement_schema=MEASUREMENT_SCHEMA,
         )
-    except SpecError as e:
+    except (SpecError, WorkloadError) as e:  # the spec's mesh or the model's partitioning, found with the mesh
         conn.send(("spec_error", str(e)))
         return
     except RunError as e:  # e.g. the target's compiler did not state its memory
@@ -348,6 +357,16 @@ def _serve(
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             conn.send(("error", _failure(e)))
+
+
+def _sharding_digest(workload: Any, mesh: Any) -> str:
+    """See :attr:`DeviceInfo.sharding_digest`."""
+    if mesh is None:
+        return ""
+    import jax
+
+    specs = [str(s.spec) for s in jax.tree.leaves(workload.shardings(mesh))]
+    return hashlib.sha256(json.dumps(specs).encode()).hexdigest()[:16]
 
 
 def _cpu_only_host() -> bool:

@@ -116,6 +116,14 @@ def _import_path(value: str | None) -> str | None:
     return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
 
 
+MeshAxis = Literal["data", "fsdp", "sequence", "tensor", "expert"]
+MESH_AXES: tuple[MeshAxis, ...] = get_args(MeshAxis)
+AxisRules = tuple[tuple[str, MeshAxis | tuple[MeshAxis, ...] | None], ...]
+"""Logical axis rules, Flax's form: ``[[logical name, mesh axis (or a list of them, or null)], ...]``,
+e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's logical names
+(``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto ``spec.mesh``'s axes."""
+
+
 class NnxConfig(_Frozen):
     """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
     returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
@@ -135,6 +143,9 @@ class NnxConfig(_Frozen):
     int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
     loss: str | None = None
     """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
+    logical_axis_rules: AxisRules | None = None
+    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
+    mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
 
     _import_paths = field_validator("model", "loss")(lambda value: _import_path(value))
 
@@ -165,6 +176,10 @@ class LinenConfig(_Frozen):
     loss: str | None = None
     """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
     next-token cross-entropy of the logits on the tokens."""
+    logical_axis_rules: AxisRules | None = None
+    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
+    mesh, its parameters are sharded as its ``nn.with_logical_partitioning`` metadata says,
+    by these rules, and they are in force while its step is traced (``nn.logical_axis_rules``)."""
 
     _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
 
@@ -324,8 +339,6 @@ TargetConfig = Annotated[
 ]
 """``local``: compile, run and time on the devices this process sees; or a TPU topology."""
 
-MeshAxis = Literal["data", "fsdp", "sequence", "tensor", "expert"]
-MESH_AXES: tuple[MeshAxis, ...] = get_args(MeshAxis)
 
 
 class TimingConfig(_Frozen):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.plan import RematPlan
-from remat_search.spec import FactoryConfig, WorkloadConfig
+from remat_search.spec import MESH_AXES, FactoryConfig, WorkloadConfig
 
 if TYPE_CHECKING:
     import jax
@@ -109,19 +109,37 @@ class Workload(abc.ABC):
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.shardings(mesh)
         )
 
-    def shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
-        """``NamedSharding``s of ``(state, batch)``: FSDP-style state, batch over every axis.
+    def param_partitioning(self) -> PyTree | None:
+        """The model's own partitioning of its parameters: a ``PartitionSpec`` of mesh axis
+        names for each leaf of :meth:`init_params`' tree, or None where the model declares
+        none (then :meth:`shardings` uses the FSDP heuristic). The linen and nnx workloads read
+        it from the model's sharding metadata; a factory's workload may return its own."""
+        return None
 
-        Each parameter and optimizer-state array is split over ``fsdp`` along its largest
-        dimension that the axis divides (replicated if none does); the batch's leading
-        dimension is split over ``data`` and ``fsdp`` together. Other axes (``sequence``,
-        ``tensor``, ``expert``) are the model's own: override this to use them.
+    def sharding_source(self) -> str:
+        """Which shardings :meth:`shardings` gives over a mesh, in words (``show`` prints it)."""
+        if type(self).shardings is not Workload.shardings:
+            return f"the workload's own ({type(self).__name__}.shardings)"
+        if self.param_partitioning() is not None:
+            return "the model's own partitioning of its parameters"
+        return "FSDP heuristic (each state array split over fsdp along its largest divisible dimension)"
+
+    def shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
+        """``NamedSharding``s of ``(state, batch)``; the batch's leading dimension is split over
+        ``data`` and ``fsdp`` together.
+
+        The parameters are sharded as the model's own partitioning says
+        (:meth:`param_partitioning`; axes the mesh lacks are not split over), and the optimizer
+        state as the parameters it mirrors (its scalars replicated), as a real run shards
+        them. Where the model declares none, the FSDP heuristic: each parameter and
+        optimizer-state array is split over ``fsdp`` along its largest dimension that the axis
+        divides (replicated if none does). Override this for other schemes.
         """
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        state, batch = self._input_shapes()
+        (params, opt_state), batch = self._input_shapes()
         fsdp = mesh.shape.get("fsdp", 1)
         batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
         ways = math.prod(mesh.shape[a] for a in batch_axes)
@@ -142,7 +160,19 @@ class Workload(abc.ABC):
                 )
             return NamedSharding(mesh, P(batch_axes))
 
-        return jax.tree.map(state_spec, state), jax.tree.map(batch_spec, batch)
+        own = self.param_partitioning()
+        if own is None:
+            return jax.tree.map(state_spec, (params, opt_state)), jax.tree.map(batch_spec, batch)
+        param_shardings = _own_shardings(mesh, own, params)
+        structure = jax.tree.structure(params)
+
+        def mirrored(sub: PyTree) -> PyTree:  # an optimizer's moments mirror the parameters
+            if jax.tree.structure(sub) == structure:
+                return param_shardings
+            return jax.tree.map(lambda a: NamedSharding(mesh, P()), sub)
+
+        opt_shardings = jax.tree.map(mirrored, opt_state, is_leaf=lambda x: jax.tree.structure(x) == structure)
+        return (param_shardings, opt_shardings), jax.tree.map(batch_spec, batch)
 
     def _input_shapes(self) -> tuple[PyTree, PyTree]:
         """``(state, batch)`` shapes, traced once per workload (every candidate needs them)."""
@@ -198,6 +228,43 @@ class Workload(abc.ABC):
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree) -> PyTree:
+    """``NamedSharding``s of ``params`` from a model's ``PartitionSpec`` s (one per leaf): a
+    name that is no mesh axis is a :class:`WorkloadError` (an unmapped logical name); axes
+    the mesh lacks are left out (the model's run on such a mesh is not split over them); a
+    dimension the mesh's axes do not divide is a :class:`SpecError` naming the parameter."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def sharding(path: Any, a: jax.ShapeDtypeStruct, spec: Any) -> NamedSharding:
+        dims = []
+        for d, entry in enumerate(tuple(spec) + (None,) * (a.ndim - len(spec))):
+            named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            unknown = [x for x in named if x not in MESH_AXES]
+            if unknown:
+                raise WorkloadError(
+                    f"workload.logical_axis_rules: the model partitions parameter {jax.tree_util.keystr(path)} over "
+                    f"{unknown[0]!r}, which is no mesh axis ({', '.join(MESH_AXES)}); map its logical names onto "
+                    "the mesh: [[name, mesh axis or null], ...]"
+                )
+            axes = tuple(x for x in named if x in mesh.shape)
+            ways = math.prod(mesh.shape[x] for x in axes)
+            if a.shape[d] % ways:
+                raise SpecError(
+                    f"spec.mesh: the model splits parameter {jax.tree_util.keystr(path)} (shape {list(a.shape)}) "
+                    f"over {' × '.join(axes)} = {ways} in dimension {d}, which that does not divide"
+                )
+            dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return NamedSharding(mesh, P(*dims))
+
+    specs = jax.tree.structure(params).flatten_up_to(partitioning)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return jax.tree.unflatten(
+        jax.tree.structure(params), [sharding(path, a, spec) for (path, a), spec in zip(leaves, specs, strict=True)]
+    )
 
 
 class TracedStep(NamedTuple):
@@ -261,6 +328,20 @@ def import_object(path: str, where: str, *, what: str = "class or function") -> 
             raise WorkloadError(f"{where}: {path!r}: module {module_name!r} has no {what} {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | None:
+    """Logical axis ``rules`` (:data:`~remat_search.spec.AxisRules`) with the axes ``mesh``
+    lacks left out (a name mapped only onto those is unsplit), as a model run on that mesh
+    would have them at size 1; the rules as written where there is no mesh."""
+    if rules is None or mesh is None:
+        return rules
+
+    def kept(target: Any) -> Any:
+        axes = tuple(a for a in ((target,) if isinstance(target, str) else target or ()) if a in mesh.shape)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return tuple((name, kept(target)) for name, target in rules)
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
