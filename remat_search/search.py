@@ -71,6 +71,7 @@ from remat_search.study import (
     SETTINGS_FIELDS,
     Progress,
     ProgressCallback,
+    as_written_now,
     changed_settings,
     finished_trials,
     identity_error,
@@ -499,7 +500,7 @@ def _open_study(
 def _check_device_identity(name: str, study: optuna.Study, identity: dict[str, Any]) -> None:
     """Refuse a study whose identity, the device that measures it included, is not ``identity``."""
     for key, value in identity.items():
-        if study.user_attrs.get(key) != value:
+        if as_written_now(key, study.user_attrs.get(key)) != value:
             raise identity_error(name, key, study.user_attrs.get(key))
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import optuna
 import psutil
 from optuna.trial import TrialState
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from remat_search.errors import SpecError, StorageError
 from remat_search.liveness import counts
@@ -87,6 +87,19 @@ def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> Search
     data.update(study=study.study_name, storage=storage, trials=max(1, finished_trials(study)))
     data.update(overrides)
     return parse_spec(data)
+
+
+def as_written_now(key: str, stored: Any) -> Any:
+    """A stored identity field (``workload``, ``space``, …) read and written again as this
+    version writes it, so a field added since, at its default, does not make it differ; as
+    stored where it does not read (another version's form, which then differs)."""
+    if key not in ("workload", "space", "target", "mesh") or stored is None:
+        return stored
+    try:
+        adapter = TypeAdapter(SearchSpec.model_fields[key].annotation)
+        return adapter.dump_python(adapter.validate_python(stored), mode="json")
+    except ValueError:
+        return stored
 
 
 def identity_error(study: str, key: str, stored: Any) -> SpecError:

@@ -30,7 +30,7 @@ from remat_search.store import (
     open_storage,
     translate_errors,
 )
-from remat_search.study import IDENTITY_FIELDS, finished_trials, identity_error
+from remat_search.study import IDENTITY_FIELDS, as_written_now, finished_trials, identity_error
 from remat_search.workload import build_workload
 
 METRIC_NAMES = ("step seconds", "peak bytes")
@@ -126,7 +126,7 @@ def check_identity(spec: SearchSpec, study: optuna.Study) -> None:
             stored = attrs[key]
         else:
             continue
-        if stored != mine[key] and not (key == "budget" and (stored is None or mine[key] is None)):
+        if as_written_now(key, stored) != mine[key] and not (key == "budget" and (stored is None or mine[key] is None)):
             raise identity_error(spec.study, key, stored)
 
 

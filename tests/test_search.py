@@ -16,13 +16,14 @@ import pytest
 from optuna.trial import TrialState
 
 import remat_search
-from remat_search import RematPlan
+from remat_search import RematPlan, SpecError
 from remat_search.executables import Executables, measure
 from remat_search.spec import TimingConfig, parse_spec
+from remat_search.store import SPEC_ATTR
 from remat_search.study import Progress
 from remat_search.units import format_bytes
 
-from .conftest import FAST_TIMING, spec_dict, write_spec
+from .conftest import FAST_TIMING, TINY_TRANSFORMER, spec_dict, write_spec
 from .workloads import recording
 
 
@@ -185,6 +186,27 @@ def test_resuming_with_another_budget_is_refused(finished, cli) -> None:  # type
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "spec.budget: study 'tiny' already exists" in result.stderr
     assert db.read_bytes() == before
+
+
+def test_a_study_stored_before_a_field_existed_resumes_with_that_field_at_its_default(
+    finished, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A study stored by a version whose workload had no ``scan`` or ``dtype`` yet (the spec and
+    the identity attributes without them) is the same study for this version, whose defaults
+    they are: rerunning its spec is no identity error. Another value of them still is."""
+    storage, _, report = finished
+    copy = tmp_path / "studies.db"
+    with sqlite3.connect(storage.removeprefix("sqlite:///")) as source, sqlite3.connect(copy) as target:
+        source.backup(target)
+    older = f"sqlite:///{copy}"
+    study = optuna.load_study(study_name="tiny", storage=older)
+    workload = {k: v for k, v in study.user_attrs["workload"].items() if k not in ("scan", "dtype")}
+    study.set_user_attr("workload", workload)
+    study.set_user_attr(SPEC_ATTR, {**study.user_attrs[SPEC_ATTR], "workload": workload})
+    again = remat_search.run(parse_spec(spec_dict(older, trials=8)))
+    assert [t.number for t in again.trials] == [t.number for t in report.trials]
+    with pytest.raises(SpecError, match="spec.workload: study 'tiny' already exists with another workload"):
+        remat_search.run(parse_spec(spec_dict(older, trials=8, workload={**TINY_TRANSFORMER, "scan": True})))
 
 
 def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
