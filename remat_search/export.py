@@ -3,8 +3,8 @@
 MaxText applies one remat policy to every decoder layer; its ``remat_policy: custom`` says,
 for each of its named tensors, whether it stays on the device, is offloaded to host memory,
 or is recomputed. A plan is expressible that way when every layer has the same policy and
-that policy is a choice about MaxText's names (``names``, ``offload``), or ``full`` (MaxText's
-own ``remat_policy: full``); :func:`maxtext` says why not otherwise.
+that policy is a choice about MaxText's names (``names``, ``offload``, ``per_name``), or
+``full`` (MaxText's own ``remat_policy: full``); :func:`maxtext` says why not otherwise.
 """
 
 from __future__ import annotations
@@ -50,16 +50,22 @@ def maxtext(plan: RematPlan) -> dict[str, str]:
     layer = plan.layers[0]
     if layer.kind == "full":
         return {"remat_policy": "full"}
-    if layer.kind not in ("names", "offload"):
+    if layer.kind == "function":
+        raise SpecError(
+            f"--format maxtext: policy {layer} is a function of your own, which MaxText's config cannot name "
+            "(it has device/offload/remat per tensor name); use json or yaml"
+        )
+    if layer.kind not in ("names", "offload", "per_name"):
         raise SpecError(
             f"--format maxtext: policy {layer.kind!r} has no MaxText custom form (it chooses by operation, "
             "not by MaxText's tensor names); use json or yaml"
         )
-    foreign = sorted(set(layer.names) - set(MAXTEXT_NAMES))
+    foreign = sorted(set(layer.tensor_names) - set(MAXTEXT_NAMES))
     if foreign:
         raise SpecError(f"--format maxtext: {foreign} are not MaxText's tensor names ({', '.join(MAXTEXT_NAMES)})")
-    where = "device" if layer.kind == "names" else "offload"
-    settings = {name: where if name in layer.names else "remat" for name in MAXTEXT_NAMES}
+    device = set(layer.names) if layer.kind in ("names", "per_name") else set()
+    offload = set(layer.offload) if layer.kind == "per_name" else set(layer.names) - device
+    settings = {name: "device" if name in device else "offload" if name in offload else "remat" for name in MAXTEXT_NAMES}
     if settings[PINNED] == "remat":
         settings[PINNED] = "device"
     return {"remat_policy": "custom", **settings}

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from remat_search.errors import SpecError, WorkloadError
+from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import LinenConfig
-from remat_search.workload import PyTree, Workload, import_object, next_token_loss, rules_on, traced_names
+from remat_search.workload import PyTree, Workload, next_token_loss, rules_on, traced_names
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)
 """True while a layer runs: the calls it makes are its own, not layers."""

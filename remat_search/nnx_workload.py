@@ -31,9 +31,10 @@ import numpy as np
 from flax import nnx
 
 from remat_search.errors import SpecError, WorkloadError
+from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import NnxConfig
-from remat_search.workload import PyTree, Workload, import_object, next_token_loss, rules_on, traced_names
+from remat_search.workload import PyTree, Workload, next_token_loss, rules_on, traced_names
 
 
 class Checkpointed(nnx.Module):

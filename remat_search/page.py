@@ -203,7 +203,9 @@ _SCRIPT = """
     const h = Math.round(s / 3600);
     return Math.floor(h / 24) + " d " + (h % 24) + " h";
   };
-  const policy = (p) => p.kind + (p.names && p.names.length ? ": " + p.names.join(", ") : "");
+  const policy = (p) => p.kind + (p.function ? ": " + p.function : "")  // policy.LayerPolicy.__str__
+    + (p.names && p.names.length ? ": " + p.names.join(", ") : "")
+    + (p.offload && p.offload.length ? (p.names && p.names.length ? "; " : ": ") + "offload " + p.offload.join(", ") : "");
 
   async function ask(budget) {
     const url = data.base + "/best?budget=" + encodeURIComponent(budget);

@@ -76,7 +76,7 @@ class RematPlan(BaseModel):
     @property
     def tensor_names(self) -> frozenset[str]:
         """Every tensor name any layer's policy refers to."""
-        return frozenset(n for p in self.layers for n in p.names)
+        return frozenset(n for p in self.layers for n in p.tensor_names)
 
     def summary(self, labels: Iterable[str] | None = None) -> str:
         """A short human form, runs of equal layers collapsed: ``full×2 dots×6``.

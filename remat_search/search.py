@@ -44,7 +44,6 @@ from remat_search.planner import (
     record_prediction,
     study_cost_model,
 )
-from remat_search.policy import POLICIES
 from remat_search.results import StudyReport, TrialResult, study_report
 from remat_search.runner import DeviceInfo, Runner
 from remat_search.space import Space
@@ -104,7 +103,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
         device = runners[0].describe()  # the others start in their threads
         _warn_untagged(spec, device)
-        offload = [c.label for c in spec.space.choices if POLICIES[c.policy.kind].host_memory]
+        offload = [c.label for c in spec.space.choices if c.policy.host_memory]
         if offload and device.platform == "cpu":
             raise SpecError(
                 f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
@@ -142,7 +141,7 @@ def _warn_untagged(spec: SearchSpec, device: DeviceInfo) -> None:
     if device.traced_names is None:
         return
     for choice in spec.space.choices:
-        missing = sorted(set(choice.policy.names) - set(device.traced_names))
+        missing = sorted(set(choice.policy.tensor_names) - set(device.traced_names))
         if missing:
             logger.warning(
                 "note: spec.space.choices: %r names %s, which the traced step never tags with checkpoint_name "

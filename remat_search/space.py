@@ -21,6 +21,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from remat_search.errors import SpecError
 from remat_search.plan import RematPlan
+from remat_search.policy import import_function
 from remat_search.spec import SpaceConfig
 
 LAYOUT_PARAM = "layout"
@@ -127,12 +128,20 @@ class Space:
         """Raise :class:`SpecError` if a choice names a tensor the workload does not declare."""
         known = set(tensor_names)
         for i, choice in enumerate(self.config.choices):
-            unknown = sorted(set(choice.policy.names) - known)
+            unknown = sorted(set(choice.policy.tensor_names) - known)
             if unknown:
                 raise SpecError(
                     f"spec.space.choices.{i}: unknown tensor name(s) {unknown} in {choice.label!r}; "
                     f"the workload names {sorted(known) or 'no tensors'}"
                 )
+
+    def check_functions(self) -> None:
+        """Import every policy function the choices name (``function: "package.module:fn"``):
+        a one-line :class:`~remat_search.errors.WorkloadError` naming the choice's field if one
+        does not import or is not callable, before anything is written."""
+        for i, choice in enumerate(self.config.choices):
+            if choice.policy.function is not None:
+                import_function(choice.policy.function, f"spec.space.choices.{i}.function")
 
 
 def _segment_sizes(config: SpaceConfig, layers: int) -> list[int]:

@@ -222,8 +222,9 @@ WorkloadConfig = Annotated[
 class PolicyChoice(_Frozen):
     """One policy the space may give a layer, with the label studies and reports use.
 
-    Written in YAML as a bare policy (``full``) or as ``{label: save_qkv, names: [...]}``
-    or ``{label: off_mlp, offload: [...]}``.
+    Written in YAML as a bare policy (``full``), as ``{label: save_qkv, names: [...]}`` or
+    ``{label: off_mlp, offload: [...]}``, as ``{label: mine, per_name: {device: [...],
+    offload: [...]}}`` or as ``{label: save_softmax, function: "package.module:function"}``.
     """
 
     label: str = Field(pattern=r"^[A-Za-z0-9_.+-]+$")
@@ -232,26 +233,29 @@ class PolicyChoice(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _from_yaml(cls, value: Any) -> Any:
-        bare = [k for k, p in POLICIES.items() if not p.takes_names]
-        named = [k for k, p in POLICIES.items() if p.takes_names]
+        bare = [k for k, p in POLICIES.items() if not p.labelled]
+        labelled = {k: p for k, p in POLICIES.items() if p.labelled}
         if isinstance(value, str):
             if value not in bare:
                 raise ValueError(
                     f"unknown policy {value!r}; expected one of {', '.join(bare)}, or "
-                    + " or ".join(f"{{label: ..., {k}: [...]}}" for k in named)
+                    + " or ".join(f"{{label: ..., {k}: {p.form}}}" for k, p in labelled.items())
                 )
             return {"label": value, "policy": {"kind": value}}
         if isinstance(value, dict) and "policy" not in value:
             value = dict(value)
-            kinds = [k for k in named if k in value]
+            kinds = [k for k in labelled if k in value]
             if len(kinds) != 1:
                 raise ValueError(
-                    "a labelled choice needs exactly one of " + " or ".join(f"{k}: [...]" for k in named)
+                    "a labelled choice needs exactly one of " + " or ".join(f"{k}: {p.form}" for k, p in labelled.items())
                 )
-            names = value.pop(kinds[0])
-            if isinstance(names, str) or not isinstance(names, list):
-                raise ValueError(f"{kinds[0]} must be a list of tensor names, got {names!r}")
-            return {**value, "policy": {"kind": kinds[0], "names": names}}
+            kind = POLICIES[kinds[0]]
+            written = value.pop(kind.name)
+            if kind.from_spec is not None:
+                return {**value, "policy": {"kind": kind.name, **kind.from_spec(written)}}
+            if isinstance(written, str) or not isinstance(written, list):
+                raise ValueError(f"{kind.name} must be a list of tensor names, got {written!r}")
+            return {**value, "policy": {"kind": kind.name, "names": written}}
         return value
 
 

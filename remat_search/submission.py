@@ -71,6 +71,7 @@ def check(spec: SearchSpec) -> Space:
     workload = build_workload(spec.workload)
     space = Space.of(spec.space, workload.layers)
     space.check_names(workload.tensor_names)
+    space.check_functions()
     check_sampler(spec.sampler)
     return space
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,27 @@ def test_offload_and_full_have_their_maxtext_forms() -> None:
     assert maxtext(RematPlan.uniform("full", 3)) == {"remat_policy": "full"}
 
 
+def test_per_name_is_maxtext_custom_name_by_name() -> None:
+    policy = LayerPolicy(kind="per_name", names=("query_proj", "key_proj"), offload=("mlpwi", "context"))
+    settings = maxtext(RematPlan.uniform(policy, 2))
+    assert settings == {
+        "remat_policy": "custom",
+        **{n: "device" if n in ("query_proj", "key_proj", "decoder_layer_input") else
+           "offload" if n in ("mlpwi", "context") else "remat" for n in MAXTEXT_NAMES},
+    }
+
+
 @pytest.mark.parametrize(("plan", "why"), [
+    (RematPlan.uniform(LayerPolicy(kind="per_name", names=("context",), offload=("my_tensor",)), 2),
+     "['my_tensor'] are not MaxText's tensor names"),
+    (RematPlan.uniform(LayerPolicy(kind="function", function="tests.policies:save_softmax"), 2),
+     "policy function(tests.policies:save_softmax) is a function of your own"),
     (RematPlan(layers=(LayerPolicy(kind="full"), LayerPolicy(kind="dots"))), "MaxText applies one to every decoder layer"),
     (RematPlan.uniform("dots", 2), "policy 'dots' has no MaxText custom form"),
     (RematPlan.uniform(LayerPolicy(kind="names", names=("my_tensor",)), 2), "['my_tensor'] are not MaxText's tensor names"),
 ])
 def test_a_plan_maxtext_cannot_express_says_why(plan: RematPlan, why: str) -> None:
-    with pytest.raises(SpecError, match=r"^--format maxtext: .*" + why.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(SpecError, match=r"^--format maxtext: .*" + re.escape(why)):
         maxtext(plan)
 
 

@@ -15,6 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "remat_search"
 LAYERS: list[set[str]] = [
     {"errors", "units"},
+    {"imports"},
     {"policy"},
     {"plan"},
     {"export"},
