@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         WorkloadError,
     )
     from remat_search.measurement import Measurement, MemoryBreakdown
-    from remat_search.plan import RematPlan, apply_layers, scan_layers
+    from remat_search.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
     from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
     from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
     from remat_search.report import best_plan, list_studies, load_report, pareto_front
@@ -41,7 +41,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.confirm"),
     **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measurement"),
-    **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers'), "remat_search.plan"),
+    **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plan"),
     **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.planner"),
     **dict.fromkeys(('POLICIES', 'LayerPolicy', 'PolicyKind', 'checkpoint_policy', 'register_policy'), "remat_search.policy"),
     **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report"),
@@ -93,6 +93,8 @@ __all__ = [
     "register_policy",
     "run",
     "scan_layers",
+    "scan_linen",
+    "scan_nnx",
     "solve_front",
     "submit",
     "work",

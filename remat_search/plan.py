@@ -5,11 +5,15 @@ stored in a study, printed, compared and used as a cache key (each layer's
 :class:`~remat_search.policy.LayerPolicy` becomes a ``jax.checkpoint`` policy in
 ``policy.py``). This module applies a plan to a chain of layers: unrolled
 (:func:`apply_layers`, flat or nested) or scanned, one ``lax.scan`` per run of equal policies
-(:func:`scan_layers`).
+(:func:`scan_layers`). A training script applies one in two lines, in each framework: one layer
+at a time with :meth:`RematPlan.wrap` (JAX), :meth:`RematPlan.remat_module` (linen) or
+:meth:`RematPlan.wrap_nnx` (NNX), and a scanned stack with :func:`scan_layers`,
+:func:`scan_linen` or :func:`scan_nnx` (Flax is imported only by those that use it).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -111,12 +115,30 @@ class RematPlan(BaseModel):
         return jax.checkpoint(fn, policy=self.policy_for(layer), prevent_cse=prevent_cse)
 
     def remat_module(self, module_cls: type, layer: int, **remat_kwargs: Any) -> type:
-        """Return a Flax linen module class wrapped with ``nn.remat`` for ``layer``."""
+        """Return a Flax linen module class wrapped with ``nn.remat`` for ``layer``
+        (``module_cls`` itself for ``none``).
+
+        The wrapped class keeps ``module_cls``'s name (``nn.remat`` calls it
+        ``Checkpoint<Name>``), so an unnamed instance is named ``Block_0`` as before and the
+        variables' tree is the same whatever the plan."""
         if not self.layers[layer].checkpoints:
             return module_cls
         import flax.linen as nn
 
-        return nn.remat(module_cls, policy=self.policy_for(layer), **remat_kwargs)
+        wrapped = nn.remat(module_cls, policy=self.policy_for(layer), **remat_kwargs)
+        wrapped.__name__, wrapped.__qualname__ = module_cls.__name__, module_cls.__qualname__
+        return wrapped
+
+    def wrap_nnx(self, fn: F, layer: int, *, prevent_cse: bool = True) -> F:
+        """Return ``fn`` wrapped with Flax NNX's ``nnx.remat`` and the policy of ``layer``
+        (``fn`` itself for ``none``): :meth:`wrap` for functions that take NNX modules, whose
+        state ``nnx.remat`` passes in and writes back. In a model's ``__call__``:
+        ``x = plan.wrap_nnx(Block.__call__, i)(block, x)``."""
+        if not self.layers[layer].checkpoints:
+            return fn
+        from flax import nnx
+
+        return nnx.remat(fn, policy=self.policy_for(layer), prevent_cse=prevent_cse)
 
 
 def segments(plan: RematPlan) -> list[tuple[int, int, LayerPolicy]]:
@@ -174,27 +196,105 @@ def scan_layers(plan: RematPlan, body: Callable[[Any, X], X], stacked_params: An
     the parameters, its body wrapped in ``jax.checkpoint(body, policy=..., prevent_cse=False)``
     (unwrapped for ``none``). Nested plans cannot be scanned: :class:`SpecError`.
     """
+    x, _ = _scan_runs(plan, lambda p, carry: (body(p, carry), None), stacked_params, x)
+    return x
+
+
+def scan_nnx(plan: RematPlan, blocks: Any, x: X) -> X:
+    """Run a stacked Flax NNX block, ``blocks(x) -> x``, once per layer: as :func:`scan_layers`,
+    one ``jax.lax.scan`` per run of equal policies, each layer's block merged from its slice of
+    ``blocks``' state (every leaf with a leading axis of ``len(plan.layers)``: one ``Block`` made
+    under ``nnx.vmap`` with ``nnx.split_rngs(splits=N)``, as README's NNX scanned script does).
+
+    The stack's state stays one tree whatever the plan, so a checkpoint fits every plan; what a
+    call changes in a layer's state (an RNG count, statistics) is written back to ``blocks``.
+    """
+    from flax import nnx
+
+    graphdef, state = nnx.split(blocks)
+
+    def body(layer_state: Any, carry: X) -> tuple[X, Any]:
+        block = nnx.merge(graphdef, layer_state)
+        return block(carry), nnx.state(block)
+
+    x, new_state = _scan_runs(plan, body, state, x)
+    nnx.update(blocks, new_state)
+    return x
+
+
+def scan_linen(plan: RematPlan, block_cls: type, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+    """A Flax linen module that runs ``block_cls(*args, **kwargs)`` (called ``block(x) -> x``)
+    once per layer of ``plan``: one ``nn.scan`` per run of equal policies, over
+    ``nn.remat(block_cls, policy=..., prevent_cse=False)`` (plain ``block_cls`` for ``none``).
+
+    One scan has one body and so one policy: a plan of several runs is several scans. Their
+    variables are the submodules ``seg0``, ``seg1``, … of the returned module, each stacked over
+    its run's length (every collection stacked, every RNG stream split per layer), so the
+    variables' tree follows the plan's runs. Build it in ``setup`` or an ``@nn.compact`` method;
+    ``name`` names the returned module, the other arguments go to ``block_cls``.
+    """
+    return _linen_scan_module()(plan=plan, block_cls=block_cls, args=tuple(args), kwargs=tuple(kwargs.items()), name=name)
+
+
+def _scan_runs(plan: RematPlan, body: Callable[[Any, X], tuple[X, Any]], stacked: Any, x: X) -> tuple[X, Any]:
+    """``body(layer_slice, x) -> (x, y)`` over ``stacked``, one checkpointed ``lax.scan`` per run
+    of equal policies; the ``y`` s stacked over all layers, runs joined in order."""
     import jax
+    import jax.numpy as jnp
 
     if plan.layout != "flat":
         raise SpecError(
             f"plan: layout {plan.layout!r} is not supported for scanned layers; "
             "use layout 'flat' or an unrolled model (scan: false)"
         )
-    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(stacked_params)}
+    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(stacked)}
     if lengths != {len(plan.layers)}:
         raise SpecError(
             f"plan: has {len(plan.layers)} layers, the stacked parameters have leading axes {sorted(lengths, key=str)}"
         )
+    outputs = []
     for start, end, policy in segments(plan):
         step = body if not policy.checkpoints else jax.checkpoint(
             body, policy=checkpoint_policy(policy), prevent_cse=False
         )
-        params = stacked_params if end - start == len(plan.layers) else jax.tree.map(
-            lambda a, s=start, e=end: a[s:e], stacked_params
+        params = stacked if end - start == len(plan.layers) else jax.tree.map(
+            lambda a, s=start, e=end: a[s:e], stacked
         )
-        x, _ = jax.lax.scan(lambda carry, p, f=step: (f(p, carry), None), x, params)
-    return x
+        x, ys = jax.lax.scan(lambda carry, p, f=step: f(p, carry), x, params)
+        outputs.append(ys)
+    joined = outputs[0] if len(outputs) == 1 else jax.tree.map(lambda *ys: jnp.concatenate(ys), *outputs)
+    return x, joined
+
+
+@functools.cache
+def _linen_scan_module() -> type:
+    """The linen module :func:`scan_linen` returns (made on first use: flax is imported then)."""
+    import flax.linen as nn
+
+    class LinenScan(nn.Module):
+        plan: RematPlan
+        block_cls: type
+        args: tuple = ()
+        kwargs: tuple = ()
+
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            if self.plan.layout != "flat":
+                raise SpecError(
+                    f"plan: layout {self.plan.layout!r} is not supported for scanned layers; use layout 'flat'"
+                )
+            for j, (start, end, policy) in enumerate(segments(self.plan)):
+                cls = self.block_cls if not policy.checkpoints else nn.remat(
+                    self.block_cls, policy=checkpoint_policy(policy), prevent_cse=False
+                )
+                run = nn.scan(
+                    lambda block, carry, _: (block(carry), None),
+                    variable_axes={True: 0}, split_rngs={True: True}, length=end - start,
+                )
+                x, _ = run(cls(*self.args, name=f"seg{j}", **dict(self.kwargs)), x, None)
+            return x
+
+    return LinenScan
 
 
 def collapse_runs(items: Iterable[str]) -> str:
