@@ -79,6 +79,12 @@ class TransformerConfig(_Frozen):
     """Stack the layers' parameters (leading axis = layers) and run them with ``lax.scan``:
     one scan per run of equal policies ("segments"), so compile time stays about constant in
     depth. Nested plans cannot be scanned."""
+    attention: Literal["dense", "flash"] = "dense"
+    """``dense``: the scores ``[batch, heads, seq, seq]`` computed and kept as tensors, as a
+    plain implementation does. ``flash``: fused attention that keeps no ``seq × seq`` matrix,
+    as real runs use: the Pallas TPU flash-attention kernel on a TPU target (per shard of the
+    batch, in ``shard_map``), ``jax.nn.dot_product_attention`` elsewhere (cuDNN's fused
+    kernel on a GPU where it applies, XLA's composition on a CPU)."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TransformerConfig:

@@ -14,7 +14,9 @@ not depend on the plan; the loss applies the blocks functionally, checkpointed b
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -22,10 +24,13 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from remat_search.errors import SpecError
 from remat_search.plan import RematPlan, apply_layers, scan_layers
 from remat_search.spec import TransformerConfig
 from remat_search.workload import PyTree, Workload
 
+FLASH_BLOCK = 128
+"""The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
 TENSOR_NAMES = frozenset(
     {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"}
 )
@@ -45,6 +50,8 @@ class Block(nn.Module):
     """One decoder layer."""
 
     config: TransformerConfig
+    mesh: Any = None
+    """The target's mesh (None: one device): where the flash kernel runs."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -56,14 +63,45 @@ class Block(nn.Module):
             checkpoint_name(dense_general((c.heads, head_dim), name=n)(h), f"{n}_proj")
             for n in ("query", "key", "value")
         )
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        context = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", weights, v), "context")
+        context = checkpoint_name(_attention(q, k, v, flash=c.attention == "flash", mesh=self.mesh), "context")
         x = x + checkpoint_name(dense_general(c.d_model, axis=(-2, -1), name="out")(context), "out_proj")
         h = norm(name="mlp_norm")(x)
         h = checkpoint_name(dense(c.d_ff, name="wi")(h), "mlpwi")
         return x + checkpoint_name(dense(c.d_model, name="wo")(nn.gelu(h)), "mlpwo")
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any) -> jax.Array:
+    """Causal multi-head attention of ``[batch, seq, heads, head_dim]`` queries, keys and values
+    (see :attr:`TransformerConfig.attention`)."""
+    head_dim = q.shape[-1]
+    if not flash:
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
+        causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1) if mesh else ()
+    ways = math.prod(mesh.shape[a] for a in batch_axes) if mesh else 1
+    # Not the TPU kernel off a TPU, nor for init's one-sequence batch (it only shapes the parameters).
+    if mesh is None or mesh.devices.flat[0].platform != "tpu" or q.shape[0] % ways:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas
+    from jax.sharding import PartitionSpec as P
+
+    block = FLASH_BLOCK
+    sizes = pallas.BlockSizes(
+        block_q=block, block_k_major=block, block_k=block, block_b=1,
+        block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
+        block_k_major_dq=block, block_k_dq=block, block_q_dq=block,
+    )
+
+    def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:  # [b, h, s, d] on one shard
+        return pallas.flash_attention(q, k, v, causal=True, sm_scale=head_dim**-0.5, block_sizes=sizes)
+
+    # Mosaic kernels are not partitioned by XLA: each shard of the batch runs its own.
+    batch = P(batch_axes or None)
+    heads_first = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]
+    out = jax.shard_map(kernel, mesh=mesh, in_specs=(batch,) * 3, out_specs=batch, check_vma=False)(*heads_first)
+    return jnp.swapaxes(out, 1, 2)
 
 
 class TransformerWorkload(Workload):
@@ -77,12 +115,23 @@ class TransformerWorkload(Workload):
         self.config = config
         self.layers = config.layers
 
+    def use_mesh(self, mesh: Any) -> None:
+        """Keep the mesh (the flash kernel runs per shard of it); refuse a sequence the TPU
+        kernel cannot tile."""
+        c = self.config
+        if c.attention == "flash" and mesh is not None and mesh.devices.flat[0].platform == "tpu" and c.seq_len % FLASH_BLOCK:
+            raise SpecError(
+                f"workload.attention: flash on a TPU target runs the Pallas kernel, whose blocks are "
+                f"{FLASH_BLOCK} tokens: seq_len must be a multiple of {FLASH_BLOCK}, got {c.seq_len}"
+            )
+        super().use_mesh(mesh)
+
     def _modules(self) -> dict[str, nn.Module]:
         c = self.config
         norm, dense, _ = _layers(c)
         return {
             "embed": nn.Embed(c.vocab, c.d_model, dtype=c.dtype, param_dtype=c.dtype),
-            "block": Block(c),
+            "block": Block(c, self.mesh),
             "final_norm": norm(),
             "logits": dense(c.vocab),
         }
