@@ -11,6 +11,11 @@ and the clock said, whatever the budget): a new study with another budget, a re-
 finished search, or another host searching the same workload judges each one it finds against
 its own budget and tolerance (:func:`measurement.judge`), unless :func:`measure_again` says it
 cannot be judged as it is.
+
+Plans whose text differs may compile to the same program (``names`` of a tensor the model
+never tags, and ``full``): each measurement is also kept by the digest of its compiled
+program, in ``remat_search_programs`` under the same key but the plan's, so that a plan
+compiled to a program measured before is not run again (:func:`lookup_program`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,19 @@ measurements = sa.Table(
     sa.Column("trial", sa.Integer),
     sa.Column("created", sa.DateTime),
 )
+
+
+programs = sa.Table(
+    "remat_search_programs",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("measurement", sa.Text, nullable=False),
+    sa.Column("study", sa.String(128)),
+    sa.Column("trial", sa.Integer),
+    sa.Column("created", sa.DateTime),
+)
+"""Raw measurements by the hash of their cache key with the compiled program's digest in the
+plan's place (see :func:`lookup_program`); the plan that was measured is in the measurement."""
 
 
 claims = sa.Table(
@@ -89,9 +107,9 @@ def create_table(engine: sa.Engine) -> None:
     """Make the cache's tables if they are missing (optuna's tables are left alone). Searches
     that start at once may race to make them: the database refuses all but the first, which is fine."""
     try:
-        metadata.create_all(engine, tables=[measurements, claims])
+        metadata.create_all(engine, tables=[measurements, programs, claims])
     except (sa.exc.ProgrammingError, sa.exc.IntegrityError, sa.exc.OperationalError):  # made by another just now:
-        metadata.create_all(engine, tables=[measurements, claims])  # it is there now (checked first)
+        metadata.create_all(engine, tables=[measurements, programs, claims])  # it is there now (checked first)
 
 
 def claim(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: str, trial: int) -> tuple[str, int] | None:
@@ -126,6 +144,28 @@ def _claim_key(device: DeviceInfo, plan_digest: str) -> str:
     return hashlib.sha256(json.dumps(cache_key(device, plan_digest), sort_keys=True).encode()).hexdigest()
 
 
+def _program_key(device: DeviceInfo, program_digest: str) -> str:
+    """The key of ``remat_search_programs``: the cache key with the program in the plan's place."""
+    key = {**cache_key(device, ""), "plan": None, "program_digest": program_digest}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def lookup_program(engine: sa.Engine, device: DeviceInfo, program_digest: str) -> Cached | None:
+    """A cached raw measurement of a plan compiled to the program ``program_digest``
+    (``executables.program_digest``) on ``device``, with the study and trial that made it, or
+    None. As :func:`lookup`, whose every measurement since programs were kept this also holds."""
+    with engine.connect() as connection:
+        if not sa.inspect(connection).has_table(programs.name):
+            return None
+        row = connection.execute(
+            sa.select(programs.c.measurement, programs.c.study, programs.c.trial)
+            .where(programs.c.key == _program_key(device, program_digest))
+        ).first()
+    if row is None:
+        return None
+    return Cached(RawMeasurement.model_validate_json(row.measurement), row.study, row.trial)
+
+
 def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | None:
     """The cached raw measurement of a plan with the study and trial that made it, or None
     (also where no search has made the table yet). Errors of the database (one that is
@@ -149,24 +189,31 @@ def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, 
 
     A raw measurement that tells more replaces the one kept (see :func:`_told`): one that ran
     replaces one only compiled (over an earlier budget), one timed against the anchor one
-    timed alone.
+    timed alone. A compiled program's is kept by the same rule (:func:`lookup_program`).
     """
     if m.status == "failed" or not m.compiled:
         return
     raw = m.raw
-    key = cache_key(device, m.plan_digest)
-    row = {**key, "measurement": raw.model_dump_json(), "study": study, "trial": trial,
-           "created": datetime.datetime.now(datetime.UTC).replace(tzinfo=None)}
-    where = [measurements.c[column] == value for column, value in key.items()]
+    kept = {"measurement": raw.model_dump_json(), "study": study, "trial": trial,
+            "created": datetime.datetime.now(datetime.UTC).replace(tzinfo=None)}
+    _keep(engine, measurements, cache_key(device, m.plan_digest), kept, raw)
+    if raw.program_digest is not None:
+        _keep(engine, programs, {"key": _program_key(device, raw.program_digest)}, kept, raw)
+
+
+def _keep(engine: sa.Engine, table: sa.Table, key: dict[str, str], kept: dict, raw: RawMeasurement) -> None:
+    """Insert the row ``key`` + ``kept`` into ``table``, or replace the one there where ``raw``
+    tells more (:func:`_told`)."""
+    where = [table.c[column] == value for column, value in key.items()]
     with engine.begin() as connection:
-        old = connection.execute(sa.select(measurements.c.measurement).where(*where)).first()
+        old = connection.execute(sa.select(table.c.measurement).where(*where)).first()
         if old is None:
             try:
-                connection.execute(measurements.insert().values(**row))
+                connection.execute(table.insert().values(**key, **kept))
             except sa.exc.IntegrityError:  # another process stored it a moment ago
                 pass
         elif _told(raw) > _told(RawMeasurement.model_validate_json(old.measurement)):
-            connection.execute(measurements.update().where(*where).values(**row))
+            connection.execute(table.update().where(*where).values(**key, **kept))
 
 
 def _told(raw: RawMeasurement) -> tuple[bool, bool, int]:

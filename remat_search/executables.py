@@ -15,10 +15,13 @@ interleaved.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import re
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,9 @@ class Build:
     cost: dict[str, float] = field(default_factory=dict)
     oom: tuple[int, int, int] | None = None
     """(bytes needed in full, temporaries, available) from the compiler's out-of-memory error."""
+    program: str | None = None
+    """The compiled program's digest (:func:`program_digest`): plans that compile alike share
+    it (None for a program that calls back into Python)."""
 
 
 @dataclass(frozen=True)
@@ -142,11 +148,52 @@ class Executables:
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
+            program=program_digest(compiled.as_text()),
         )
 
 
+Known = Callable[[str], RawMeasurement | None]
+"""A raw measurement of a compiled program (by :func:`program_digest`) that may stand for a
+plan's, or None: the search asks its study and the measurement cache (``cache.lookup_program``)."""
+
+_DEBUG_SECTIONS = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n?)*", re.MULTILINE)
+_METADATA = re.compile(r',?\s*metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+_NAME = re.compile(r"%?\b([A-Za-z_][\w\-]*?)\.(\d+)\b")
+_CALLBACK = re.compile(r'custom_call_target="[^"]*callback[^"]*"')
+
+
+def program_digest(hlo: str) -> str | None:
+    """A hash (16 hex digits) of an optimized HLO module's text (``Compiled.as_text()``) that
+    two compiles of one program share: the source locations (``metadata``, the stack-frame
+    tables) are left out, and each numbered name (``%fusion.12``) is renumbered in order of
+    first appearance, per base name, since plans whose traces differ number the same
+    instructions differently. Only names defined with ``%`` are renumbered.
+
+    None for a program that calls back into Python (``jax.debug.callback``,
+    ``jax.pure_callback``): the text names the callback by its index alone, so what it does,
+    which may differ from plan to plan, is not in the text."""
+    if _CALLBACK.search(hlo):
+        return None
+    text = _METADATA.sub("", _DEBUG_SECTIONS.sub("", hlo))
+    defined = {m.group(0)[1:] for m in _NAME.finditer(text) if m.group(0).startswith("%")}
+    seen: dict[str, str] = {}
+    counts: Counter[str] = Counter()
+
+    def rename(m: re.Match[str]) -> str:
+        token = m.group(0).lstrip("%")
+        if token not in defined:
+            return m.group(0)
+        if token not in seen:
+            seen[token] = f"{m.group(1)}.{counts[m.group(1)]}"
+            counts[m.group(1)] += 1
+        return m.group(0)[: len(m.group(0)) - len(token)] + seen[token]
+
+    return hashlib.sha256(_NAME.sub(rename, text).encode()).hexdigest()[:16]
+
+
 def measure(
-    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    known: Known | None = None,
 ) -> Measurement:
     """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
     only if it fits ``budget``; judge what was seen (:func:`measurement.judge`).
@@ -157,13 +204,20 @@ def measure(
     anchor's (full remat), where the anchor fits the budget; else the plan is timed alone. A
     plan whose first step fails the check is not timed. Exceptions other than the compiler's
     out-of-memory propagate: the worker turns them into a failed measurement.
+
+    A plan that would run is first looked up by its compiled program (``known``, see
+    :func:`program_digest`): a measurement of the same program, by another plan, stands for
+    it, and it is neither checked nor timed again (:func:`same_program`).
     """
-    raw = _observe(executables, plan, budget=budget, timing=timing, gradient_tolerance=gradient_tolerance)
+    raw = _observe(
+        executables, plan, budget=budget, timing=timing, gradient_tolerance=gradient_tolerance, known=known,
+    )
     return judge(raw, budget=budget, gradient_tolerance=gradient_tolerance)
 
 
 def _observe(
-    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    known: Known | None = None,
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
     build = executables.build(plan)
@@ -178,6 +232,7 @@ def _observe(
     seen: dict[str, Any] = {
         "plan_digest": plan.digest, "compile_seconds": build.seconds, "compiled_at": compiled_at, "memory": build.memory,
         "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
+        "program_digest": build.program,
     }
     if not executables.target.executes:
         return RawMeasurement(
@@ -185,6 +240,9 @@ def _observe(
         )
     if build.memory.peak > budget:
         return RawMeasurement(**seen)
+    found = known(build.program) if known is not None and build.program else None
+    if found is not None and found.memory == build.memory and found.program_digest == build.program:
+        return same_program(found, RawMeasurement(**seen))
     executables.anchor(budget)  # compiled before the device is taken: compiles need not wait for it
     with executables.target.device_lock():
         started = time.time()
@@ -222,6 +280,17 @@ def _run(
         time_source="measured", step_times=times, anchor_times=anchor_times[0] if anchor_times else (),
         loss=loss, **seen,
     )
+
+
+def same_program(found: RawMeasurement, compiled: RawMeasurement) -> RawMeasurement:
+    """``found``, another plan's measurement of the program ``compiled`` compiled to, as the
+    measurement of ``compiled``'s plan: its run (the check, the times, the losses) stands, with
+    this compile's own figures; :attr:`~RawMeasurement.same_program_as` names the plan that ran.
+    Nothing of this plan ran, so it has no ``ran_at``."""
+    return found.model_copy(update={
+        **{f: getattr(compiled, f) for f in ("plan_digest", "compile_seconds", "compiled_at", "memory")},
+        "ran_at": None, "same_program_as": found.same_program_as or found.plan_digest,
+    })
 
 
 def retime(

@@ -43,6 +43,9 @@ class MemoryBreakdown(BaseModel):
     host_output: int = 0
     host_alias: int = 0
     host_temp: int = 0
+    host_generated_code: int = 0
+    """Host memory, where the program puts tensors there (``offload`` on a GPU or TPU); 0 where
+    the compiler says none (and in measurements made before these were kept)."""
     compiler_peak: int | None = None
     """``peak_memory_in_bytes``: reported on TPU (and GPU); on CPU a constant, so not kept."""
 
@@ -53,7 +56,7 @@ class MemoryBreakdown(BaseModel):
         fields = ("argument", "output", "alias", "temp", "generated_code")
         return cls(
             **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
-            **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes")) for f in fields[:4]},
+            **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields},
             compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if trust_compiler_peak else None,
         )
 
@@ -62,6 +65,12 @@ class MemoryBreakdown(BaseModel):
     def breakdown_sum(self) -> int:
         """argument + output − alias + temp + generated code."""
         return self.argument + self.output - self.alias + self.temp + self.generated_code
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes of one step, summed as the device's: argument + output − alias + temp +
+        generated code (0 where nothing is on the host)."""
+        return self.host_argument + self.host_output - self.host_alias + self.host_temp + self.host_generated_code
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -127,6 +136,13 @@ class RawMeasurement(BaseModel):
     grad_skipped: str | None = None
     """Why a plan that ran was not checked: the reference does not fit the budget it ran
     under, and nothing over the budget is run."""
+    program_digest: str | None = None
+    """The compiled program's digest (``executables.program_digest``): plans that compile to
+    the same program share it (None in measurements made before it was kept)."""
+    same_program_as: str | None = None
+    """The digest of the plan that ran for this measurement, where this plan compiled to the
+    same program (:attr:`program_digest`) and was not run itself: its check and times are that
+    plan's. None: this plan ran (or never needed to)."""
 
     @property
     def peak_bytes(self) -> int | None:

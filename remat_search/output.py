@@ -75,6 +75,8 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             status += " (predicted, not compiled)"
         if t.cached_from:
             status += f" (cached: {t.cached_from})"
+        if t.same_program_as:
+            status += f" (same program: {t.same_program_as})"
         if t.error and t.status == "failed":
             status += f": {t.error.splitlines()[0][:80]}"
         cells = {
@@ -255,6 +257,8 @@ def trial_line(t: TrialResult, done: int, total: int) -> str:
         line += f" (= trial {t.reused_from}: the same plan, its measurement reused)"
     if t.cached_from:
         line += f" (cached from {t.cached_from}: not compiled again)"
+    if t.same_program_as:
+        line += f" (the same compiled program as {t.same_program_as}: its measurement reused, not run again)"
     return line
 
 
@@ -348,9 +352,13 @@ def describe_trial(t: TrialResult) -> str:
             f"{format_bytes(mem.alias)} + temp {format_bytes(mem.temp)} + code {format_bytes(mem.generated_code)}"
             + (f"; compiler peak {format_bytes(mem.compiler_peak)}" if mem.compiler_peak is not None else "")
         )
-        host = mem.host_argument + mem.host_output - mem.host_alias + mem.host_temp
-        if host:
-            lines.append(f"  host (pinned) memory: {format_bytes(host)}")
+        if mem.host_total or mem.host_temp:
+            lines.append(
+                f"  host memory, from the compiler: {format_bytes(mem.host_total)}: argument "
+                f"{format_bytes(mem.host_argument)} + output {format_bytes(mem.host_output)} − alias "
+                f"{format_bytes(mem.host_alias)} + temp {format_bytes(mem.host_temp)} + code "
+                f"{format_bytes(mem.host_generated_code)} (not in the device peak)"
+            )
         lines.append(f"  compile {m.compile_seconds:.2f} s, {_gflop(m.flops)} GFLOP" if m.flops else "")
     if m and m.estimated_seconds is not None:
         lines.append(
@@ -405,6 +413,14 @@ def describe_trial(t: TrialResult) -> str:
         )
     if t.cached_from:
         lines.append(f"  measurement reused from {t.cached_from} (same workload, plan and device)")
+    if t.same_program_as:
+        lines.append(
+            f"  compiled to the same program as {t.same_program_as}'s plan (same workload and device): "
+            "its measurement reused, this plan not run"
+        )
+    if m and m.program_digest:
+        lines.append(f"  program digest: {m.program_digest}"
+                     + (f" (run as plan {m.same_program_as})" if m.same_program_as else ""))
     if m and m.grad_rel_error is not None:
         checked = "first step (state change and loss) vs full remat's" if m.grad_reference == "full" else "gradients vs no remat"
         lines.append(f"  {checked}: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")

@@ -26,6 +26,7 @@ from remat_search.store import (
     PLAN_ATTR,
     PREDICTION_ATTR,
     REUSED_ATTR,
+    SAME_PROGRAM_ATTR,
     TrialStatus,
 )
 from remat_search.units import format_bytes
@@ -95,6 +96,9 @@ class TrialResult(BaseModel):
     reused_from: int | None = None
     cached_from: str | None = None
     """``study#trial`` whose measurement of the same plan (same workload and device) this reuses."""
+    same_program_as: str | None = None
+    """``study#trial`` whose plan compiled to the same program as this one's (same workload and
+    device): its measurement stands for this one, compiled here but not run."""
     prediction: dict[str, float] | None = None
     """The planner's prediction (peak, seconds) when it proposed this plan."""
     confirmed: Confirmed | None = None
@@ -183,7 +187,7 @@ def result_of(
         number=number, status=status, plan=plan, measurement=measurement,
         labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(params, plan),
         reused_from=attrs.get(REUSED_ATTR),
-        cached_from=attrs.get(CACHED_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
+        cached_from=attrs.get(CACHED_ATTR), same_program_as=attrs.get(SAME_PROGRAM_ATTR), prediction=attrs.get(PREDICTION_ATTR), confirmed=confirmed,
         error=error,
     )
 

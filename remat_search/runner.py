@@ -34,8 +34,8 @@ import psutil
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
-from remat_search.executables import Executables, compiler_options, measure, retime
-from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement
+from remat_search.executables import Executables, Known, compiler_options, measure, retime
+from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement, RawMeasurement
 from remat_search.plan import RematPlan
 from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
 from remat_search.target import target_of
@@ -126,21 +126,36 @@ class Runner:
         return self._info
 
     def measure(
-        self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float
+        self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+        known: Known | None = None,
     ) -> Measurement:
-        """Measure ``plan`` in the worker; crashes and timeouts come back as failures."""
+        """Measure ``plan`` in the worker; crashes and timeouts come back as failures.
+
+        ``known`` is asked, in this process, for a measurement of the program ``plan``
+        compiled to, before the worker would run it (see :func:`executables.measure`)."""
         self._ensure_worker()
         assert self._conn is not None and self._process is not None
-        self._conn.send(("measure", plan.to_json(), budget, timing, gradient_tolerance))
-        stopped = self._wait(self._timeout)
-        if stopped is not None:
-            return Measurement(status="failed", plan_digest=plan.digest, error=stopped)
-        try:
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError):
-            reason = self._death_reason()
-            self.close()
-            return Measurement(status="failed", plan_digest=plan.digest, error=reason)
+        self._conn.send(("measure", plan.to_json(), budget, timing, gradient_tolerance, known is not None))
+        deadline = time.monotonic() + self._timeout
+        while True:
+            stopped = self._wait(max(0.0, deadline - time.monotonic()), seconds=self._timeout)
+            if stopped is not None:
+                return Measurement(status="failed", plan_digest=plan.digest, error=stopped)
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                reason = self._death_reason()
+                self.close()
+                return Measurement(status="failed", plan_digest=plan.digest, error=reason)
+            if kind != "program":
+                break
+            assert known is not None
+            try:
+                found = known(payload)  # the worker waits for the answer
+            except BaseException:
+                self.close()  # it waits for an answer it will not get: a new worker for the next plan
+                raise
+            self._conn.send(("known", found.model_dump_json() if found is not None else None))
         if kind == "error":
             if os.environ.get(DEBUG_ENV):
                 print(f"remat-search: plan {plan.summary()} failed in the worker: {payload}", file=sys.stderr)
@@ -223,12 +238,14 @@ class Runner:
             raise WorkloadError(f"workload: the worker could not build it ({payload})")
         self._info = DeviceInfo.model_validate_json(payload)
 
-    def _wait(self, seconds: float, limit: str | None = "timing.timeout") -> str | None:
-        """Wait up to ``seconds`` (the setting ``limit``) for the worker to answer (or die);
-        None when it did. Past the time, or past ``worker_memory`` (read every
-        :data:`WATCH_SECONDS`), the worker is killed and the one-line reason returned."""
+    def _wait(self, left: float, limit: str | None = "timing.timeout", *, seconds: float | None = None) -> str | None:
+        """Wait up to ``left`` seconds for the worker to answer (or die); None when it did.
+        Past the time (``seconds`` of the setting ``limit`` in all, ``left`` unless given), or
+        past ``worker_memory`` (read every :data:`WATCH_SECONDS`), the worker is killed and
+        the one-line reason returned."""
+        seconds = left if seconds is None else seconds
         assert self._conn is not None and self._process is not None
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + left
         watched = _Watched(self._process.pid) if self._memory_limit else None
         while True:
             left = deadline - time.monotonic()
@@ -349,10 +366,10 @@ def _serve(
                 times = retime(executables, plans, warmup=warmup, rounds=rounds, budget=budget)
                 conn.send(("ok", json.dumps(times)))
                 continue
-            plan_json, budget, timing, tolerance = args
+            plan_json, budget, timing, tolerance, ask = args
             m = measure(
                 executables, RematPlan.model_validate_json(plan_json), budget=budget,
-                timing=timing, gradient_tolerance=tolerance,
+                timing=timing, gradient_tolerance=tolerance, known=_asker(conn) if ask else None,
             )
             conn.send(("ok", m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
@@ -367,6 +384,17 @@ def _sharding_digest(workload: Any, mesh: Any) -> str:
 
     specs = [str(s.spec) for s in jax.tree.leaves(workload.shardings(mesh))]
     return hashlib.sha256(json.dumps(specs).encode()).hexdigest()[:16]
+
+
+def _asker(conn: Connection) -> Known:
+    """Ask the parent (see :meth:`Runner.measure`) for a measurement of a compiled program."""
+
+    def known(program: str) -> RawMeasurement | None:
+        conn.send(("program", program))
+        _, payload = conn.recv()
+        return RawMeasurement.model_validate_json(payload) if payload is not None else None
+
+    return known
 
 
 def _cpu_only_host() -> bool:

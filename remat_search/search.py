@@ -34,7 +34,7 @@ from remat_search.liveness import (
     mark,
     recover,
 )
-from remat_search.measurement import Measurement, judge
+from remat_search.measurement import Measurement, RawMeasurement, judge
 from remat_search.plan import RematPlan
 from remat_search.planner import (
     Advice,
@@ -57,6 +57,7 @@ from remat_search.store import (
     PLAN_ATTR,
     PREDICTION_ATTR,
     REUSED_ATTR,
+    SAME_PROGRAM_ATTR,
     check_storage,
     load_study,
     open_storage,
@@ -299,7 +300,7 @@ class _Workers:
         as interrupted and its plan queued again before the error goes on."""
         trial, plan, labels, done = asked
         spec, study = self.spec, self.study
-        reused_from = cached_from = None
+        reused_from = cached_from = same_program = None
         m: Measurement | None = None
         claimed = False
         try:
@@ -322,12 +323,17 @@ class _Workers:
                     cached_from=cached_from,
                 ),
             ))
+            shared: list[cache.Cached] = []
             if m is None:
                 m = _screened(spec, study, trial, self.space, plan, self.budget) or runner.measure(
                     plan, budget=self.budget, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance,
+                    known=lambda program: self._known(program, shared),
                 )
             if self.stop.is_set():  # its worker was killed to stop the search: not a failure of the plan
                 raise _Stopped
+            if shared and m.same_program_as is not None:
+                same_program = f"{shared[-1].study}#{shared[-1].trial}"
+                trial.set_user_attr(SAME_PROGRAM_ATTR, same_program)
             if reused_from is None and cached_from is None:
                 cache.store(self.engine, self.device, m, study=spec.study, trial=trial.number)
             with self.lock:  # the study's first anchored measurement sets its reference: one thread
@@ -344,9 +350,20 @@ class _Workers:
         self.tell(Progress(
             event="result", done=finished_trials(study), total=spec.trials, trial=TrialResult(
                 number=trial.number, status=m.status, plan=plan, measurement=m, labels=labels,
-                reused_from=reused_from, cached_from=cached_from, error=m.error,
+                reused_from=reused_from, cached_from=cached_from, same_program_as=same_program, error=m.error,
             ),
         ))
+
+    def _known(self, program: str, shared: list[cache.Cached]) -> RawMeasurement | None:
+        """A measurement of the compiled ``program`` that can be judged for this study as it
+        is (see :func:`cache.measure_again`), or None; one found is added to ``shared``."""
+        hit = cache.lookup_program(self.engine, self.device, program)
+        if hit is None or cache.measure_again(
+            hit.raw, budget=self.budget, repeats=self.spec.timing.repeats, anchored=self.spec.timing.anchor
+        ):
+            return None
+        shared.append(hit)
+        return hit.raw
 
     def _claim(self, trial: optuna.Trial, plan: RematPlan) -> None:
         """Claim ``plan`` for ``trial``, waiting while a live trial (of any study on this

@@ -38,6 +38,9 @@ STARTED_ATTR = "pid_started"
 """When the search process (``PID_ATTR``) started: a pid the system gave to another process
 since is told apart by its start time."""
 PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
+SAME_PROGRAM_ATTR = "same_program_as"
+"""``study#trial`` that measured the program this trial's plan compiled to: its measurement
+stands for this one, which was compiled but not run."""
 QUEUED_ATTR = "queued_params"
 """The parameters a queued trial was enqueued with (``study.enqueue_trial(params, user_attrs=
 {QUEUED_ATTR: params})``): how the search and the planner tell a queued plan, which optuna

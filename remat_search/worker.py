@@ -121,7 +121,7 @@ def trial_event(study: str, t: TrialResult, done: int, total: int) -> Event:
         "trial": t.number, "plan": t.summary(), "status": t.status, "peak_bytes": t.peak_bytes,
         "seconds": t.seconds, "compile_seconds": m.compile_seconds if m else None, "done": done, "total": total,
     }
-    for key in ("reused_from", "cached_from", "error"):
+    for key in ("reused_from", "cached_from", "same_program_as", "error"):
         if getattr(t, key) is not None:
             event[key] = getattr(t, key)
     return event

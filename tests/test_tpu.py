@@ -13,8 +13,11 @@ import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
 from remat_search.executables import Executables, io_bytes, measure
 from remat_search.measurement import Measurement
+from remat_search.output import describe_trial
+from remat_search.results import TrialResult
 from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
 from remat_search.target import CHIPS, TpuAotTarget, target_of
+from remat_search.units import format_bytes
 
 from .conftest import TINY_TRANSFORMER, spec_dict, write_spec
 
@@ -57,6 +60,20 @@ def test_tpu_measurements_are_compiled_and_estimated_never_run(small: dict[str, 
     chip = CHIPS["v5e"]
     assert m.estimated_seconds == pytest.approx(
         max(m.flops / chip.bf16_flops, m.bytes_accessed / chip.hbm_bytes_per_second))
+
+
+def test_offload_reports_the_compilers_host_memory_beside_device_memory() -> None:
+    tiny = TransformerConfig(**TINY_TRANSFORMER)
+    qkv = ("query_proj", "key_proj", "value_proj")
+    offload = _measure(tiny, LayerPolicy(kind="offload", names=qkv))
+    saved = _measure(tiny, LayerPolicy(kind="names", names=qkv))
+    host = offload.memory
+    # jax 0.10.2, libtpu 0.0.42.1: 96 KiB of host temporaries, the offloaded activations.
+    assert host.host_temp > 0 and host.host_total == host.host_temp
+    assert saved.memory.host_total == 0
+    shown = describe_trial(TrialResult(number=0, status="measured", measurement=offload))
+    assert f"host memory, from the compiler: {format_bytes(host.host_total)}" in shown
+    assert "host memory" not in describe_trial(TrialResult(number=1, status="measured", measurement=saved))
 
 
 def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_in_full_while_full_fits() -> None:
