@@ -306,7 +306,10 @@ class _Workers:
         try:
             self._claim(trial, plan)
             claimed = True
-            hit = cache.lookup(self.engine, self.device, plan.digest)
+            # A plan naming a policy function by its import path is not known by its text: the
+            # function's code may have changed since. It is compiled, and reused by its program.
+            by_text = not any(p.function for p in plan.layers)
+            hit = cache.lookup(self.engine, self.device, plan.digest) if by_text else None
             if hit and not cache.measure_again(
                 hit.raw, budget=self.budget, repeats=spec.timing.repeats, anchored=spec.timing.anchor
             ):

@@ -224,3 +224,10 @@ def test_a_function_and_a_per_name_choice_search_with_their_peaks_and_gradients(
         assert t.peak_bytes and t.measurement is not None and t.measurement.grad_rel_error is not None
         assert t.measurement.grad_rel_error <= spec.gradient_tolerance
     assert report.trials[0].plan.layers[0] == LayerPolicy(kind="function", function="tests.policies:save_softmax")
+
+    # Another study of the same workload: the per-name plan is known by its text (cached); the
+    # function's code may have changed since, so its plan is compiled and known by its program.
+    again = remat_search.run(spec.model_copy(update={"study": "again"}))
+    function, per_name = again.trials
+    assert per_name.cached_from == "tiny#1" and function.cached_from is None
+    assert function.same_program_as == "tiny#0"
