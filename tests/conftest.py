@@ -67,7 +67,7 @@ def write_spec(path: Path, spec: dict[str, Any]) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def storage_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test's own storage home (``$REMAT_SEARCH_HOME``, which the workers it spawns inherit):
     what a search keeps there (a study's artifacts, say) never lands in the checkout, nor passes
     from one test to another."""
