@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from remat_search.artifacts import ReferenceStore
 from remat_search.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.plan import RematPlan
 from remat_search.spec import TimingConfig
@@ -35,6 +36,9 @@ from remat_search.units import format_bytes
 
 KEPT_EXECUTABLES = 64
 """How many compiled steps a worker keeps (least recently used dropped first), besides the anchor."""
+
+INPUT_SEED = 0
+"""The seed of the fresh inputs every checked first step starts from (the reference's too)."""
 
 # On CPU the default (concurrency-optimised) scheduler hides what remat saves.
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
@@ -78,12 +82,18 @@ class Executables:
     at most ``capacity`` executables, the least recently used dropped first (a plan dropped
     and asked for again is compiled again), and the anchor's besides. Where nothing runs (a
     TPU target compiled ahead of time) only the compiler's figures are kept. The reference's
-    first step (see :meth:`reference`) is computed at most once and kept on the host. A new
-    worker (after a crash or a timeout) starts empty.
+    first step (see :meth:`reference`) is computed at most once and kept on the host; with a
+    ``reference_store`` it is loaded from there when saved before (by this study's earlier
+    workers, or another host's), else computed and saved there. A new worker (after a crash or
+    a timeout) starts empty.
     """
 
+    reference_from: str | None = None
+    """Where the reference came from: ``computed`` (full remat's first step ran here) or
+    ``loaded`` (from the ``reference_store``); None before it was needed."""
+
     def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
-                 capacity: int = KEPT_EXECUTABLES) -> None:
+                 capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None) -> None:
         self.workload, self.mesh, self.capacity = workload, mesh, capacity
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
@@ -92,6 +102,7 @@ class Executables:
         self._kept: OrderedDict[str, Build] = OrderedDict()
         self._anchor: Build | None = None
         self._reference: FirstStep | None = None
+        self.reference_store = reference_store
 
     def build(self, plan: RematPlan) -> Build:
         """``plan`` compiled: kept from before, or compiled now. Exceptions other than the
@@ -113,21 +124,43 @@ class Executables:
 
     def reference(self, budget: int) -> FirstStep | None:
         """Full remat's first step on fresh inputs, the reference every plan's is checked
-        against; None where full remat does not fit ``budget`` (it is not run)."""
+        against; None where full remat does not fit ``budget`` (it is not run, nor loaded: the
+        verdict is the same whether it was saved or not)."""
         anchor = self.anchor(budget)
         if anchor is None:
             return None
         if self._reference is None:
+            self._reference = self._saved_reference()
+            self.reference_from = "loaded"
+        if self._reference is None:
             _, self._reference = first_step(anchor.executable, self.inputs())
+            self.reference_from = "computed"
+            if self.reference_store is not None:
+                import jax
+
+                self.reference_store.save(jax.tree.leaves(self._reference.change), self._reference.loss)
         return self._reference
+
+    def _saved_reference(self) -> FirstStep | None:
+        """The reference from the ``reference_store``, in the training state's tree; None where
+        there is none (or none saved of this state's shapes)."""
+        import jax
+
+        if self.reference_store is None:
+            return None
+        with self.workload.tracing():
+            state, _ = self.workload.abstract_inputs()
+        leaves, treedef = jax.tree.flatten(state)
+        saved = self.reference_store.load([tuple(leaf.shape) for leaf in leaves])
+        return None if saved is None else FirstStep(change=jax.tree.unflatten(treedef, saved[0]), loss=saved[1])
 
     def inputs(self) -> tuple[Any, Any]:
         """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
         import jax
 
         with self.workload.tracing():
-            inputs = self.workload.inputs()
-            return inputs if self.mesh is None else jax.device_put(inputs, self.workload.shardings(self.mesh))
+            inputs = self.workload.inputs(INPUT_SEED)
+            return inputs if self.mesh is None else jax.device_put(inputs, self.workload.input_shardings(self.mesh))
 
     def _compile(self, plan: RematPlan) -> Build:
         workload, mesh = self.workload, self.mesh

@@ -28,13 +28,23 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Self
 
 import psutil
 from pydantic import BaseModel, ConfigDict
 
+from remat_search.artifacts import ReferenceStore, reference_key
 from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
-from remat_search.executables import Executables, Known, compiler_options, measure, retime
+from remat_search.executables import (
+    INPUT_SEED,
+    Executables,
+    Known,
+    anchor_plan,
+    compiler_options,
+    measure,
+    retime,
+)
 from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement, RawMeasurement
 from remat_search.plan import RematPlan
 from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
@@ -103,8 +113,12 @@ class Runner:
         target: TargetConfig = "local",
         mesh: dict[str, int] | None = None,
         compilation_cache: str | None = None,
+        artifacts: str | None = None,
     ) -> None:
+        """``artifacts``: the study's artifacts folder, where the worker keeps the reference
+        first step it checks plans against (see ``artifacts.py``); None: kept in memory only."""
         self._workload = workload
+        self._artifacts = artifacts
         self._where = (target, mesh)
         self._compilation_cache = compilation_cache
         self._timeout = timeout
@@ -211,7 +225,7 @@ class Runner:
         parent_conn, child_conn = context.Pipe()
         process = context.Process(
             target=_serve,
-            args=(child_conn, self._workload, self._where, self._compilation_cache, os.getpid()),
+            args=(child_conn, self._workload, self._where, self._compilation_cache, os.getpid(), self._artifacts),
             name="remat-search-worker", daemon=True,
         )
         process.start()  # may raise (e.g. a script without `if __name__ == "__main__":`); close() then has nothing to join
@@ -299,6 +313,7 @@ def _serve(
     where: tuple[TargetConfig, dict[str, int] | None],
     compilation_cache: str | None,
     parent_pid: int,
+    artifacts: str | None = None,
 ) -> None:
     """The worker's loop: build the workload once, then measure plan after plan."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -311,7 +326,7 @@ def _serve(
     try:
         import jax
 
-        from remat_search.workload import build_workload, trace_step
+        from remat_search.workload import build_workload, check_params_from, trace_step
 
         if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
@@ -323,6 +338,7 @@ def _serve(
         target = target_of(target_config)
         mesh = target.mesh(mesh_axes)
         workload.use_mesh(mesh)  # before anything of it is traced (Workload.use_mesh)
+        check_params_from(workload)  # a checkpoint the model does not fit is a spec error, now
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         traced = trace_step(workload)
@@ -353,7 +369,15 @@ def _serve(
         conn.send(("error", _failure(e, line=False)))
         return
     conn.send(("ready", info.model_dump_json()))
-    executables = Executables(workload, target=target, mesh=mesh)  # each plan compiled once in this worker
+    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key({
+        **info.model_dump(include={
+            "platform", "device_kind", "device_count", "mesh", "jax_version", "workload_fingerprint",
+            "program_fingerprint", "compiler_options", "compiler_version",
+        }),
+        "anchor": anchor_plan(workload.layers).digest, "input_seed": INPUT_SEED,
+    }))
+    # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
+    executables = Executables(workload, target=target, mesh=mesh, reference_store=store)
     while True:
         try:
             command, *args = conn.recv()
@@ -382,7 +406,7 @@ def _sharding_digest(workload: Any, mesh: Any) -> str:
         return ""
     import jax
 
-    specs = [str(s.spec) for s in jax.tree.leaves(workload.shardings(mesh))]
+    specs = [str(s.spec) for s in jax.tree.leaves(workload.input_shardings(mesh))]
     return hashlib.sha256(json.dumps(specs).encode()).hexdigest()[:16]
 
 

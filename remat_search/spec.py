@@ -25,10 +25,12 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -62,7 +64,30 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class TransformerConfig(_Frozen):
+class _WorkloadConfig(_Frozen):
+    """What every kind of workload may take besides its own fields."""
+
+    params_from: str | None = None
+    """The folder of an Orbax checkpoint of the model's parameters: their shapes, dtypes and,
+    where stored, shardings are read from its metadata (never its arrays) and replace the
+    model's own (see ``checkpoint_params.py``). Relative to the spec's folder in a spec file."""
+
+    @field_validator("params_from")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        """Kept absolute: a study's workers may start from another working directory."""
+        return None if value is None else os.path.abspath(os.path.expanduser(value))
+
+    @model_serializer(mode="wrap")
+    def _without_unset_params_from(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``params_from: null``: a study stored before the field existed keeps its identity."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("params_from") is None:
+            data.pop("params_from", None)
+        return data
+
+
+class TransformerConfig(_WorkloadConfig):
     """The built-in Flax decoder LM trained with AdamW (see ``transformer.py``)."""
 
     kind: Literal["transformer"]
@@ -93,7 +118,7 @@ class TransformerConfig(_Frozen):
         return self
 
 
-class MlpConfig(_Frozen):
+class MlpConfig(_WorkloadConfig):
     """The built-in chain of dense → gelu → dense blocks trained with AdamW."""
 
     kind: Literal["mlp"]
@@ -103,7 +128,7 @@ class MlpConfig(_Frozen):
     batch: PositiveInt
 
 
-class FactoryConfig(_Frozen):
+class FactoryConfig(_WorkloadConfig):
     """A user workload: ``factory: "package.module:function"``, called with ``args``."""
 
     factory: str
@@ -130,7 +155,7 @@ e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's lo
 (``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto ``spec.mesh``'s axes."""
 
 
-class NnxConfig(_Frozen):
+class NnxConfig(_WorkloadConfig):
     """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
     returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
 
@@ -161,7 +186,7 @@ class NnxConfig(_Frozen):
         return _matching(value, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an attribute name or a dotted path such as 'decoder.layers'")
 
 
-class LinenConfig(_Frozen):
+class LinenConfig(_WorkloadConfig):
     """A user's Flax linen model, searched with no ``Workload`` subclass (``linen_workload.py``).
 
     ``model`` (a ``nn.Module`` class, or a function returning a module) is called with
@@ -512,6 +537,9 @@ def load_spec(
         raise SpecError(f"spec: {str(path)!r} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise SpecError(f"spec: {str(path)!r} must be a YAML mapping of fields, got {type(data).__name__}")
+    workload = data.get("workload")
+    if isinstance(workload, dict) and isinstance(workload.get("params_from"), str):
+        data["workload"] = {**workload, "params_from": str(path.parent / os.path.expanduser(workload["params_from"]))}
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage:
         data["storage"] = storage

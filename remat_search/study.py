@@ -17,6 +17,7 @@ import psutil
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from remat_search.artifacts import ARTIFACTS
 from remat_search.errors import SpecError, StorageError
 from remat_search.liveness import counts
 from remat_search.results import TrialResult
@@ -73,6 +74,7 @@ def runner_for(spec: SearchSpec) -> Runner:
         mesh=spec.mesh,
         # JAX makes the directory on its first write: nothing is written for a bad spec.
         compilation_cache=str(storage_home() / spec.compilation_cache) if spec.compilation_cache else None,
+        artifacts=str(storage_home() / ARTIFACTS / spec.study),  # made when a reference is first saved
     )
 
 

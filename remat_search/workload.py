@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from remat_search.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
@@ -54,6 +55,10 @@ class Workload(abc.ABC):
     mesh: Mesh | None = None
     """The target's device mesh (None: one device), given by :meth:`use_mesh` before anything
     is traced."""
+    params_from: CheckpointParams | None = None
+    """The parameters of the Orbax checkpoint the spec's ``workload.params_from`` names (set by
+    :func:`build_workload`): their shapes, dtypes and stored shardings replace the model's own
+    in :meth:`inputs` and :meth:`input_shardings`."""
 
     def use_mesh(self, mesh: Mesh | None) -> None:
         """Receive the target's device mesh before any shape, sharding or step is traced.
@@ -107,7 +112,7 @@ class Workload(abc.ABC):
         if mesh is None:
             return shapes
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.shardings(mesh)
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.input_shardings(mesh)
         )
 
     def param_partitioning(self) -> PyTree | None:
@@ -117,13 +122,28 @@ class Workload(abc.ABC):
         it from the model's sharding metadata; a factory's workload may return its own."""
         return None
 
+    def input_shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
+        """The shardings the step takes ``(state, batch)`` in: :meth:`shardings`, but with the
+        parameters' stored shardings (and their optimizer state's) where a ``params_from``
+        checkpoint has them and ``mesh`` can express them
+        (:meth:`CheckpointParams.state_shardings`)."""
+        own_state, own_batch = self.shardings(mesh)
+        if self.params_from is None:
+            return own_state, own_batch
+        return self.params_from.state_shardings(mesh, self._input_shapes()[0], own_state), own_batch
+
     def sharding_source(self) -> str:
-        """Which shardings :meth:`shardings` gives over a mesh, in words (``show`` prints it)."""
+        """Where the step's shardings over a mesh come from (:meth:`input_shardings`), in
+        words: ``run`` and ``show`` print it."""
         if type(self).shardings is not Workload.shardings:
-            return f"the workload's own ({type(self).__name__}.shardings)"
-        if self.param_partitioning() is not None:
-            return "the model's own partitioning of its parameters"
-        return "FSDP heuristic (each state array split over fsdp along its largest divisible dimension)"
+            own = f"the workload's own ({type(self).__name__}.shardings)"
+        elif self.param_partitioning() is not None:
+            own = "the model's own partitioning of its parameters"
+        else:
+            own = "FSDP heuristic (each state array split over fsdp along its largest divisible dimension)"
+        if self.params_from is not None and any(any(p.spec or ()) for p in self.params_from.params.values()):
+            return f"the params_from checkpoint's stored shardings where the mesh can express them, else {own}"
+        return own
 
     def shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
         """``NamedSharding``s of ``(state, batch)``; the batch's leading dimension is split over
@@ -188,6 +208,8 @@ class Workload(abc.ABC):
 
         params_key, batch_key = jax.random.split(key)
         params = self.init_params(params_key)
+        if self.params_from is not None:
+            params = self.params_from.params_like(params, params_key)
         return (params, self.optimizer().init(params)), self.make_batch(batch_key)
 
     def step(
@@ -212,7 +234,7 @@ class Workload(abc.ABC):
 
         if mesh is None:
             return jax.jit(train_step, donate_argnums=0)
-        state, batch = self.shardings(mesh)
+        state, batch = self.input_shardings(mesh)
         return jax.jit(
             train_step, donate_argnums=0, in_shardings=(state, batch),
             out_shardings=(state, NamedSharding(mesh, P())),
@@ -330,11 +352,44 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def build_workload(config: WorkloadConfig) -> Workload:
-    """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`."""
+    """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`, a
+    ``params_from`` that is no Orbax checkpoint :class:`SpecError` (whether the model fits
+    the checkpoint is told by :func:`check_params_from`, once the workload has its mesh)."""
     if isinstance(config, FactoryConfig):
-        return _from_factory(config)
-    module_name, class_name = BUILTIN_WORKLOADS[config.kind].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(config)
+        workload = _from_factory(config)
+    else:
+        module_name, class_name = BUILTIN_WORKLOADS[config.kind].split(":")
+        workload = getattr(importlib.import_module(module_name), class_name)(config)
+    if config.params_from is not None:
+        workload.params_from = read_params_from(config.params_from)
+    return workload
+
+
+def check_params_from(workload: Workload) -> None:
+    """Trace ``workload``'s inputs and no-remat loss with the parameters of its ``params_from``
+    checkpoint (none: nothing to do); a one-line :class:`SpecError` where its tree is not the
+    model's, or the model does not take its shapes (a model that fails with its own
+    parameters too is left to fail each candidate, as without a checkpoint)."""
+    import jax
+
+    if workload.params_from is None:
+        return
+    loss = workload.loss(RematPlan.uniform("none", workload.layers))
+    with workload.tracing():
+        (params, _), batch = workload.abstract_inputs()
+        try:
+            jax.eval_shape(loss, params, batch)
+        except Exception as e:  # noqa: BLE001 - the model's own error, told in one line
+            try:
+                own = jax.eval_shape(workload.init_params, jax.random.key(0))
+                jax.eval_shape(loss, own, batch)
+            except Exception:  # noqa: BLE001 - it fails with its own parameters too
+                return
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise SpecError(
+                f"spec.workload.params_from: the model does not take the checkpoint's parameters "
+                f"({type(e).__name__}: {first})"
+            ) from None
 
 
 def _from_factory(config: FactoryConfig) -> Workload:

@@ -66,6 +66,16 @@ def write_spec(path: Path, spec: dict[str, Any]) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own storage home (``$REMAT_SEARCH_HOME``, which the workers it spawns inherit):
+    what a search keeps there (a study's artifacts, say) never lands in the checkout, nor passes
+    from one test to another."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("REMAT_SEARCH_HOME", str(home))
+    return home
+
+
 @pytest.fixture
 def storage_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'studies.db'}"

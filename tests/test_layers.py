@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"plan"},
     {"export"},
     {"spec"},
-    {"space", "target"},
+    {"space", "target", "checkpoint_params", "artifacts"},
     {"workload"},
     {"transformer", "mlp", "nnx_workload", "linen_workload"},
     {"measurement"},
