@@ -155,7 +155,7 @@ def test_a_factory_gets_the_targets_mesh_through_use_mesh_and_compiles_with_its_
     before anything is traced, and the model overrides no sharding method."""
     from tests.workloads import TensorParallelMlp, tensor_parallel
 
-    assert "shardings" not in vars(TensorParallelMlp) and "abstract_inputs" not in vars(TensorParallelMlp)
+    assert not {"shardings", "input_shardings", "abstract_inputs"} & set(vars(TensorParallelMlp))
     workload = tensor_parallel()
     target = target_of(V5E)
     executables = Executables(workload, target=target, mesh=target.mesh({"data": 2, "tensor": 2}))
@@ -163,6 +163,12 @@ def test_a_factory_gets_the_targets_mesh_through_use_mesh_and_compiles_with_its_
     assert dict(mesh.shape) == {"data": 2, "tensor": 2} and {d.platform for d in mesh.devices.flat} == {"tpu"}
     m = measure(executables, RematPlan.uniform("full", 2), budget=HBM_V5E, timing=TimingConfig(), gradient_tolerance=1e-3)
     assert m.status == "measured" and m.time_source == "estimated", m.error
+    # Its own shardings: parameters and Adam moments split over tensor, 2 ways (the heuristic,
+    # with no fsdp axis, would replicate them); the batch x and y split over data.
+    assert workload.sharding_source() == "the model's own partitioning of its parameters"
+    state = 3 * 4 * sum(math.prod(a.shape) for a in jax.tree.leaves(workload.abstract_inputs()[0][0])) // 2
+    batch = 2 * 4 * 64 * 4
+    assert m.memory is not None and m.memory.argument - batch == pytest.approx(state, rel=0.01)
 
     report = remat_search.run(parse_spec(spec_dict(
         storage_url, workload={"factory": "tests.workloads:tensor_parallel"}, target={"platform": "tpu", "topology": "v5e:2x2"},

@@ -283,13 +283,21 @@ def plain_function(x: jax.Array) -> jax.Array:
 
 
 class TensorParallelMlp(MlpWorkload):
-    """An MLP whose hidden activations are constrained over the mesh's ``tensor`` axis, as a
-    tensor-parallel model's are: it needs the target's mesh (given by ``use_mesh``, never built
-    from this host's devices) and overrides no sharding method."""
+    """An MLP whose weights and hidden activations are split over the mesh's ``tensor`` axis,
+    as a tensor-parallel model's are: it needs the target's mesh (given by ``use_mesh``, never
+    built from this host's devices), declares its parameters' partitioning and overrides no
+    sharding method."""
 
     def use_mesh(self, mesh: Any) -> None:
         super().use_mesh(mesh)
         self.used_meshes = [*getattr(self, "used_meshes", []), mesh]
+
+    def param_partitioning(self) -> PyTree:
+        """Its own shardings, Megatron's for an MLP: ``wi`` split by its hidden columns over
+        ``tensor``, ``wo`` by its hidden rows."""
+        from jax.sharding import PartitionSpec as P
+
+        return [{"wi": P(None, "tensor"), "wo": P("tensor", None)} for _ in range(self.layers)]
 
     def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
         from jax.sharding import NamedSharding
