@@ -35,7 +35,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import LinenConfig
-from remat_search.workload import PyTree, Workload, next_token_loss, rules_on, traced_names
+from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, traced_names
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)
 """True while a layer runs: the calls it makes are its own, not layers."""
@@ -154,12 +154,7 @@ class LinenWorkload(Workload):
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so
         the model's own sharding constraints (``nn.with_logical_constraint``) apply."""
-        stack = contextlib.ExitStack()
-        if self.config.logical_axis_rules is not None:
-            stack.enter_context(nn.logical_axis_rules(rules_on(self.config.logical_axis_rules, self.mesh)))
-        if self.mesh is not None:
-            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
-        return stack
+        return flax_tracing(self.config.logical_axis_rules, self.mesh)
 
     def make_batch(self, key: jax.Array) -> PyTree:
         c = self.config

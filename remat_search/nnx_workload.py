@@ -34,7 +34,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import NnxConfig
-from remat_search.workload import PyTree, Workload, next_token_loss, rules_on, traced_names
+from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, traced_names
 
 
 class Checkpointed(nnx.Module):
@@ -148,12 +148,7 @@ class NnxWorkload(Workload):
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so
         the model's own sharding constraints apply."""
-        stack = contextlib.ExitStack()
-        if self.config.logical_axis_rules is not None:
-            stack.enter_context(nnx.logical_axis_rules(rules_on(self.config.logical_axis_rules, self.mesh)))
-        if self.mesh is not None:
-            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
-        return stack
+        return flax_tracing(self.config.logical_axis_rules, self.mesh)
 
     def init_params(self, key: jax.Array) -> PyTree:
         """The model's ``nnx.Param`` s, as a plain nested dict (list indices are int keys)."""

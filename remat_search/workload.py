@@ -342,6 +342,21 @@ def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | Non
     return tuple((name, kept(target)) for name, target in rules)
 
 
+def flax_tracing(rules: Any, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+    """The context a Flax model's step is traced in: its logical axis ``rules`` in force (as
+    :func:`rules_on` ``mesh``) and ``mesh`` as the abstract mesh, so that its own sharding
+    constraints (``nn.with_logical_constraint``) apply. For linen and NNX alike (one setting)."""
+    import flax.linen as nn
+    import jax
+
+    stack = contextlib.ExitStack()
+    if rules is not None:
+        stack.enter_context(nn.logical_axis_rules(rules_on(rules, mesh)))
+    if mesh is not None:
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+    return stack
+
+
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """A language model's default loss: the mean cross-entropy of position ``t``'s logits
     against token ``t + 1``, in float32."""
