@@ -119,3 +119,19 @@ def test_the_models_own_activation_constraints_apply_while_its_step_is_traced() 
         constrained = step.lower(*workload.abstract_inputs(mesh)).as_text()
     unconstrained = step.lower(*workload.abstract_inputs(mesh)).as_text()
     assert constrained.count("sharding_constraint") >= workload.layers and "sharding_constraint" not in unconstrained
+
+
+@pytest.mark.parametrize(("workload", "field"), [
+    ({**LINEN, "logical_axis_rules": [["embed", "tensr"]]}, "spec.workload.logical_axis_rules.0.1"),
+    ({**NNX, "logical_axis_rules": "embed: fsdp"}, "spec.workload.logical_axis_rules: Input should be a valid tuple"),
+    ({"kind": "transformer", "layers": 2, "d_model": 32, "heads": 2, "d_ff": 64, "seq_len": 32, "batch": 4,
+      "vocab": 64, "attention": "fast"}, "spec.workload.attention"),
+], ids=["unknown-mesh-axis", "not-a-list", "attention"])
+def test_bad_rules_or_attention_are_one_line_errors_and_nothing_is_written(
+    tmp_path: Path, storage_url: str, cli: Any, workload: dict[str, Any], field: str
+) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, workload=workload))
+    result = cli("run", str(spec))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and field in result.stderr, result.stderr
+    assert not list(tmp_path.glob("*.db*"))
