@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from remat_search import output
 from remat_search.plan import RematPlan
-from remat_search.spec import default_storage, parse_spec
+from remat_search.spec import parse_spec
 from remat_search.store import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
 
 from .conftest import spec_dict
@@ -64,8 +64,12 @@ def test_help_prints_its_text_whole_and_no_type_tags(cli, monkeypatch: pytest.Mo
     assert max(map(len, lines)) <= columns
     text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # unwrapped (a path may wrap at a hyphen)
     if command:  # the default that rich markup swallowed as [default: ...]
-        default = ("the spec's storage, else " if command == "run" else "") + default_storage()
-        assert f"--storage URL Database URL of the studies. Default: {default} [env var: REMAT_SEARCH_STORAGE]" in text
+        # The default is resolved when the CLI is imported: under this suite, in the storage home
+        # of the test that imported it first ($REMAT_SEARCH_HOME is each test's own). A long path
+        # wraps anywhere, so spaces are left out of the comparison.
+        prefix = re.escape("thespec'sstorage,else") if command == "run" else ""
+        pattern = rf"--storageURLDatabaseURLofthestudies\.Default:{prefix}sqlite:///\S+?/studies\.db\[envvar:REMAT_SEARCH_STORAGE\]"
+        assert re.search(pattern, "".join(text.split())), text
     else:
         assert "--version Print the version and exit." in text
 
@@ -84,3 +88,15 @@ def test_plot_without_matplotlib_names_the_extra(cli, tmp_path: Path, storage_ur
         "error: --plot: drawing needs matplotlib, which is not installed: pip install 'remat-search[plot]'\n"
     )
     assert not list(tmp_path.iterdir()), "nothing is written"
+
+
+def test_help_shows_the_storage_home_the_process_resolves(tmp_path: Path) -> None:
+    """``--help``'s default storage is the process's own storage home ($REMAT_SEARCH_HOME here)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "REMAT_SEARCH_HOME": str(tmp_path / "h"), "COLUMNS": "200"}
+    result = subprocess.run(["remat-search", "best", "--help"], capture_output=True, text=True, env=env, check=True)
+    text = " ".join(result.stdout.split())
+    assert f"Default: sqlite:///{tmp_path / 'h' / 'studies.db'} [env var: REMAT_SEARCH_STORAGE]" in text, text
+    assert not (tmp_path / "h").exists()  # help writes nothing
