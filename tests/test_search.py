@@ -285,19 +285,19 @@ def test_resuming_with_other_repeats_or_sampler_is_allowed_and_said(finished, cl
 
 
 def test_a_failed_confirmation_keeps_the_search_and_fails_the_run(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
-    """The machine turns slow (10 s a step) as the confirmation starts: the re-timing runs past
+    """The machine turns slow (60 s a step) as the confirmation starts: the re-timing runs past
     its timeout, the run fails at run time (exit 3, not 0 and not "bad input"), and the
     search's trials stay as they were."""
     delays = tmp_path / "delays.json"
     delays.write_text("{}")
     spec = parse_spec(spec_dict(
         storage_url, workload={"factory": "tests.workloads:delayed", "args": {"delays": str(delays)}},
-        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, timing={**FAST_TIMING, "timeout": "3s"},
-    ))
+        space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, timing={**FAST_TIMING, "timeout": "6s"},
+    ))  # 6 s: a trial's compile and steps fit on a slow CI host (3 s may not), a 60 s step does not
 
     def slow_down(p: remat_search.study.Progress) -> None:
         if p.event == "confirm":
-            delays.write_text(json.dumps({"*": 10_000}))
+            delays.write_text(json.dumps({"*": 60_000}))
 
     with pytest.raises(remat_search.RunError, match="re-timing timed out.*the search's 2 trials are kept"):
         remat_search.run(spec, on_progress=slow_down)
