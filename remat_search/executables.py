@@ -132,7 +132,7 @@ class Executables:
         if self._reference is None:
             self._reference = self._saved_reference()
             self.reference_from = "loaded"
-        if self._reference is None:
+        if self._reference is None:  # none saved: full remat's first step runs here
             _, self._reference = first_step(anchor.executable, self.inputs())
             self.reference_from = "computed"
             if self.reference_store is not None:

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_search.errors import SpecError
 from remat_search.plan import RematPlan, apply_layers, scan_layers
 from remat_search.spec import TransformerConfig
-from remat_search.workload import PyTree, Workload
+from remat_search.workload import PyTree, Workload, split_batch_over
 
 FLASH_BLOCK = 128
 """The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
@@ -79,8 +79,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: A
         causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1) if mesh else ()
-    ways = math.prod(mesh.shape[a] for a in batch_axes) if mesh else 1
+    batch_axes = split_batch_over(mesh)
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
     # Not the TPU kernel off a TPU, nor for init's one-sequence batch (it only shapes the parameters).
     if mesh is None or mesh.devices.flat[0].platform != "tpu" or q.shape[0] % ways:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)

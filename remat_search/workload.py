@@ -162,7 +162,7 @@ class Workload(abc.ABC):
 
         (params, opt_state), batch = self._input_shapes()
         fsdp = mesh.shape.get("fsdp", 1)
-        batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
+        batch_axes = split_batch_over(mesh)
         ways = math.prod(mesh.shape[a] for a in batch_axes)
 
         def state_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
@@ -251,6 +251,14 @@ class Workload(abc.ABC):
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def split_batch_over(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes the batch's leading dimension is split over: ``data`` and ``fsdp``, those
+    of more than one device (none without a mesh)."""
+    if mesh is None:
+        return ()
+    return tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
 
 
 def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree) -> PyTree:
