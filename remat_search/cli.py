@@ -574,6 +574,8 @@ def show(
         raise SpecError(f"--trial: study {stored.name!r} has no trial {trial} (it has {have})")
     if trial is None:
         output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
+        if note := output.time_models_note(trials):
+            output.errors.print(note, markup=False, highlight=False, soft_wrap=True)
     else:
         output.console.print(output.describe_trial(found), highlight=False)
     if stored.device.get("shardings"):

@@ -31,6 +31,7 @@ from remat_search.artifacts import ReferenceStore
 from remat_search.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.plan import RematPlan
 from remat_search.spec import TimingConfig
+from remat_search.step_time import StepEstimate
 from remat_search.target import LocalTarget, Target, out_of_memory
 from remat_search.units import format_bytes
 
@@ -61,6 +62,8 @@ class Build:
     program: str | None = None
     """The compiled program's digest (:func:`program_digest`): plans that compile alike share
     it (None for a program that calls back into Python)."""
+    estimate: StepEstimate | None = None
+    """The target's model of one step of it, where nothing runs (``Target.estimate``)."""
 
 
 @dataclass(frozen=True)
@@ -178,10 +181,11 @@ class Executables:
             return Build(
                 None, time.perf_counter() - start, started, oom=(temp + io_bytes(lowered, abstract), temp, available)
             )
+        text, cost = compiled.as_text(), _cost(compiled)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
-            memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=_cost(compiled),
-            program=program_digest(compiled.as_text()),
+            memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=cost,
+            program=program_digest(text), estimate=None if self.target.executes else self.target.estimate(text, cost),
         )
 
 
@@ -269,7 +273,8 @@ def _observe(
     }
     if not executables.target.executes:
         return RawMeasurement(
-            time_source="estimated", estimated_seconds=executables.target.estimate_seconds(build.cost), **seen,
+            time_source="estimated", estimated_seconds=build.estimate.seconds if build.estimate else None,
+            estimate=build.estimate, **seen,
         )
     if build.memory.peak > budget:
         return RawMeasurement(**seen)

@@ -17,14 +17,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-MEASUREMENT_SCHEMA = 3
+from remat_search.step_time import TIME_MODEL, StepEstimate
+
+MEASUREMENT_SCHEMA = 4
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
 peaks of temporaries only. 2: the measured executable's first step checked against full
 remat's, run only within the budget; out-of-memory peaks in full. 3: the cache keeps the raw
 measurement alone (no verdict), with the last loss, and a compile-only target's estimate
-whatever the budget."""
+whatever the budget. 4: that estimate is the per-instruction model (``step_time``), with the
+whole-program roofline beside it."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 
@@ -127,7 +130,10 @@ class RawMeasurement(BaseModel):
     """The loss of the checked first step (not finite: the plan fails, whatever the check
     says, and is not timed); None where the first step was not checked."""
     estimated_seconds: float | None = None
-    """Roofline estimate of one step, for targets where nothing runs."""
+    """The estimate of one step, for targets where nothing runs: :attr:`estimate`'s seconds,
+    or in measurements of schema 3 and before, the whole-program roofline."""
+    estimate: StepEstimate | None = None
+    """What the step-time model (``step_time.estimate_step``) made of the compiled program."""
     grad_max_abs_error: float | None = None
     grad_rel_error: float | None = None
     grad_reference: Literal["none", "full"] | None = None
@@ -150,6 +156,14 @@ class RawMeasurement(BaseModel):
         bytes it needs in full (:attr:`oom_required_bytes`); None when the compile did not get
         that far."""
         return self.memory.peak if self.memory else self.oom_required_bytes
+
+    @property
+    def time_model(self) -> str | None:
+        """Which model estimated :attr:`estimated_seconds`: ``fusions`` (``step_time``) or, in
+        measurements of schema 3 and before, ``roofline`` (whole-program); None where not estimated."""
+        if self.estimated_seconds is None:
+            return None
+        return TIME_MODEL if self.estimate is not None else "roofline"
 
     @property
     def compiled(self) -> bool:

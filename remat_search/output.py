@@ -15,6 +15,7 @@ from remat_search.units import format_bytes, format_duration, format_seconds
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
     from remat_search.doctor import Check
+    from remat_search.measurement import RawMeasurement
     from remat_search.planner import Advice
     from remat_search.report import StudySummary
     from remat_search.results import StudyReport, TrialResult
@@ -221,7 +222,7 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
         lines = [
             f"study {study}: {p.done}/{p.total} trials done; compiling for {d.target} = {d.device_count}× "
             f"{d.device_kind}" + (f", mesh {d.mesh}" if d.mesh else "")
-            + ("" if d.executes else " (compile only: step times are roofline estimates)")
+            + ("" if d.executes else " (compile only: step times are estimated from the compiled program)")
         ]
         if d.shardings:
             lines.append(sharding_line(d.mesh, d.shardings))
@@ -271,6 +272,37 @@ def running_text(t: TrialResult) -> str:
 
 def _gflop(flops: float) -> str:
     return f"{flops / 1e9:,.0f}" if flops >= 1e11 else f"{flops / 1e9:.2f}"
+
+
+def _estimate_line(m: RawMeasurement) -> str:
+    """How a compile-only target's step time was estimated, by which model (``time_model``)."""
+    e = m.estimate
+    if e is None:  # measured before the per-instruction model (schema 3 and older)
+        return (
+            f"  step: estimated {format_seconds(m.estimated_seconds)} by the whole-program roofline of "
+            f"{(m.flops or 0) / 1e9:.1f} GFLOP and {(m.bytes_accessed or 0) / 1e9:.2f} GB of HBM traffic per chip "
+            "(the older model; nothing was run)"
+        )
+    old = f"; the whole-program roofline says {format_seconds(e.roofline_seconds)}" if e.roofline_seconds else ""
+    return (
+        f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
+        f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP, "
+        f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
+        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){old}; nothing was run"
+    )
+
+
+def time_models_note(trials: Iterable[TrialResult]) -> str | None:
+    """A note where a study's step times were estimated by more than one model (a study
+    searched before the per-instruction model, resumed after it): their times do not compare."""
+    older = sum(1 for t in trials if t.measurement is not None and t.measurement.time_model == "roofline")
+    newer = sum(1 for t in trials if t.measurement is not None and t.measurement.time_model == "fusions")
+    if not (older and newer):
+        return None
+    return (
+        f"note: {older} trial(s) were estimated by the whole-program roofline and {newer} by the per-instruction "
+        "model that replaced it: their step times do not compare; search again under a new study name"
+    )
 
 
 def _seconds(seconds: float | None, *, estimated: bool) -> str:
@@ -361,10 +393,7 @@ def describe_trial(t: TrialResult) -> str:
             )
         lines.append(f"  compile {m.compile_seconds:.2f} s, {_gflop(m.flops)} GFLOP" if m.flops else "")
     if m and m.estimated_seconds is not None:
-        lines.append(
-            f"  step: estimated {format_seconds(m.estimated_seconds)} (roofline of {m.flops / 1e9:.1f} GFLOP and "
-            f"{(m.bytes_accessed or 0) / 1e9:.2f} GB of HBM traffic per chip; nothing was run)"
-        )
+        lines.append(_estimate_line(m))
     if m and m.screened_bytes is not None:
         lines.append(
             f"  screened out, never compiled: the study's cost model predicts a peak of "

@@ -203,9 +203,9 @@ def _over_strip(strip: Axes, over: list[TrialResult], scale: float) -> None:
 
 
 def _time_label(timed: list[TrialResult]) -> str:
-    """The time axis's name: estimated where the target only compiles (a roofline model)."""
+    """The time axis's name: estimated where the target only compiles (the step-time model)."""
     if any(t.time_source == "estimated" for t in timed):
-        return "estimated step time (ms, roofline model: not run)"
+        return "estimated step time (ms, modelled from the compiled program: not run)"
     return "step time (ms)"
 
 

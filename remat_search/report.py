@@ -107,7 +107,7 @@ class StudySummary(BaseModel):
     fastest_trial: int | None
     """The trial of the fastest timed plan (the front's fastest, within the study's budget)."""
     estimated: bool
-    """Step times are roofline estimates (a compile-only target), not measurements."""
+    """Step times are estimates (a compile-only target: see ``step_time``), not measurements."""
 
 
 def list_studies(storage: str | None = None) -> list[StudySummary]:

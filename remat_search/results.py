@@ -110,7 +110,7 @@ class TrialResult(BaseModel):
 
     @property
     def time_estimated(self) -> bool:
-        """It fits, and its step time is a roofline estimate (a compile-only target), not a
+        """It fits, and its step time is an estimate (a compile-only target), not a
         measurement. (A compile-only target estimates plans over the budget too.)"""
         m = self.measurement
         return m is not None and m.status == "measured" and m.time_source == "estimated"

@@ -3,8 +3,8 @@
 ``local`` is whatever devices this process sees: plans are compiled, run and timed there. A
 TPU topology (``v5e:2x4``, …) is compiled ahead of time by the real TPU compiler in libtpu,
 on any host: memory is exact, nothing is allocated or executed, and step time is *estimated*
-from the compiled program's cost analysis against the chip's published peak FLOP/s and HBM
-bandwidth (a roofline; inter-chip communication is not counted).
+from the compiled program, instruction by instruction, against the chip's published peak
+FLOP/s, HBM and inter-chip bandwidths (:mod:`remat_search.step_time`).
 
 A kind of target is one :class:`Target` subclass in :data:`TARGETS`, under the tag of its
 spec form (``spec.target_kind``): the devices plans are compiled for, whether plans execute
@@ -27,29 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
 from remat_search.errors import RunError, SpecError
 from remat_search.spec import MESH_AXES, TargetConfig, TpuTarget, target_kind
+from remat_search.step_time import CHIPS, StepEstimate, estimate_step
 
-
-class Chip(BaseModel):
-    """Published per-chip peaks, for the roofline estimate."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    bf16_flops: float
-    hbm_bytes_per_second: float
-
-
-# Google Cloud's published per-chip figures (bf16 dense FLOP/s, HBM bandwidth).
-CHIPS = {
-    "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9),
-    "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9),
-    "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9),
-    "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9),
-}
 _OOM = re.compile(
     r"Ran out of memory.*?required for HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)",
     re.DOTALL,
@@ -83,8 +64,10 @@ class Target(ABC):
     def memory_limit(self, mesh: Any) -> int | None:
         """Usable memory per device as its compiler or runtime reports it (None where none is)."""
 
-    def estimate_seconds(self, cost: dict[str, float]) -> float | None:
-        """One step's seconds, modelled from the compiler's cost analysis, where nothing executes."""
+    def estimate(self, hlo: str, cost: dict[str, float]) -> StepEstimate | None:
+        """One step's time, modelled from the optimized program ``hlo`` (``Compiled.as_text()``)
+        and the compiler's cost analysis ``cost``, where nothing executes
+        (:func:`step_time.estimate_step`); None where plans run."""
         return None
 
     @property
@@ -144,7 +127,7 @@ class LocalTarget(Target):
 
 class TpuAotTarget(Target):
     """A TPU topology compiled ahead of time by libtpu, from any host: nothing executes, and
-    a step's time is a roofline estimate on the chip (:data:`CHIPS`)."""
+    a step's time is estimated for the chip (:data:`step_time.CHIPS`)."""
 
     executes = False
 
@@ -174,8 +157,8 @@ class TpuAotTarget(Target):
     def memory_limit(self, mesh: Any) -> int:
         return probe_hbm(mesh)
 
-    def estimate_seconds(self, cost: dict[str, float]) -> float | None:
-        return roofline_seconds(cost, self.chip)
+    def estimate(self, hlo: str, cost: dict[str, float]) -> StepEstimate:
+        return estimate_step(hlo, self.chip, cost)
 
 
 TARGETS: dict[str, type[Target]] = {"local": LocalTarget, "tpu": TpuAotTarget}
@@ -259,11 +242,6 @@ def hbm_of(error: BaseException | None) -> int:
     else:
         reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
     raise RunError(f"target: the compiler did not state the memory of a chip ({reason})") from error
-
-
-def roofline_seconds(cost: dict[str, float], chip: Chip) -> float:
-    """Lower bound of one step on ``chip``: the slower of its FLOPs and its HBM traffic."""
-    return max(cost.get("flops", 0.0) / chip.bf16_flops, cost.get("bytes accessed", 0.0) / chip.hbm_bytes_per_second)
 
 
 @contextlib.contextmanager

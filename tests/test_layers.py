@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"plan"},
     {"export"},
     {"spec"},
+    {"step_time"},
     {"space", "target", "checkpoint_params", "artifacts"},
     {"workload"},
     {"transformer", "mlp", "nnx_workload", "linen_workload"},

@@ -63,13 +63,12 @@ def test_a_target_measures_a_plan_as_it_says(target: Target) -> None:
     m = measure(executables, plan, budget=2**40, timing=timing, gradient_tolerance=1e-4)
     assert m.status == "measured" and m.peak_bytes > 0 and m.flops > 0
     assert (executables.build(plan).executable is not None) == target.executes
-    estimate = target.estimate_seconds({"flops": m.flops, "bytes accessed": m.bytes_accessed})
     if target.executes:
         assert m.time_source == "measured" and len(m.step_times) == 2 and m.grad_rel_error == 0.0
-        assert estimate is None and m.estimated_seconds is None
+        assert m.estimate is None and m.estimated_seconds is None and m.time_model is None
     else:
         assert m.time_source == "estimated" and m.step_times == () and m.grad_rel_error is None
-        assert estimate is not None and m.step_seconds == m.estimated_seconds == estimate > 0
+        assert m.estimate is not None and m.step_seconds == m.estimated_seconds == m.estimate.seconds > 0
     over = measure(executables, plan, budget=m.peak_bytes - 1, timing=timing, gradient_tolerance=1e-4)
     assert over.status == "over_budget" and over.step_seconds is None
     # Where nothing executes the raw measurement is whole whatever the budget: a larger one judges it.

@@ -16,7 +16,8 @@ from remat_search.measurement import Measurement
 from remat_search.output import describe_trial
 from remat_search.results import TrialResult
 from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, parse_spec
-from remat_search.target import CHIPS, TpuAotTarget, target_of
+from remat_search.step_time import CHIPS
+from remat_search.target import TpuAotTarget, target_of
 from remat_search.units import format_bytes
 
 from .conftest import TINY_TRANSFORMER, spec_dict, write_spec
@@ -57,9 +58,11 @@ def test_tpu_measurements_are_compiled_and_estimated_never_run(small: dict[str, 
     assert m.status == "measured" and m.time_source == "estimated" and m.step_times == ()
     assert m.memory.compiler_peak is not None and m.memory.breakdown_sum > 0
     assert m.memory.peak == max(m.memory.compiler_peak, m.memory.breakdown_sum)
-    chip = CHIPS["v5e"]
-    assert m.estimated_seconds == pytest.approx(
-        max(m.flops / chip.bf16_flops, m.bytes_accessed / chip.hbm_bytes_per_second))
+    # The per-instruction model's time, with the whole-program roofline beside it.
+    chip, e = CHIPS["v5e"], m.estimate
+    assert m.time_model == "fusions" and e is not None and m.estimated_seconds == e.seconds > 0
+    assert e.roofline_seconds == pytest.approx(max(m.flops / chip.bf16_flops, m.bytes_accessed / chip.hbm_bytes_per_second))
+    assert e.seconds == pytest.approx(e.compute_seconds + e.collective_seconds)
 
 
 def test_offload_reports_the_compilers_host_memory_beside_device_memory() -> None:
