@@ -1,6 +1,8 @@
 """The v5e write-up configuration's uniform presets with dense and with flash attention, side by
-side: per-chip peak, activations (the compiled temp bytes), estimated step and GFLOP, each from
-one ahead-of-time compile by the real TPU compiler (nothing runs; the figures are deterministic).
+side: per-chip peak, activations (the compiled temp bytes), estimated step (the per-instruction
+model of ``remat_search.step_time``, and the whole-program roofline beside it) and GFLOP, each
+from one ahead-of-time compile by the real TPU compiler (nothing runs; the figures are
+deterministic).
 
     python benchmarks/attention.py                       # both, 14 compiles (~1-2 min each here)
     python benchmarks/attention.py --attention flash     # one column of the table only
@@ -40,16 +42,19 @@ def main() -> None:
             m = measure(executables, plan, budget=2**40, timing=TimingConfig(), gradient_tolerance=1e-3)
             seconds = time.perf_counter() - start
             if m.memory is None:
-                rows.append((attention, choice.label, m.status, "", "", "", f"{seconds:.0f} s"))
+                rows.append((attention, choice.label, m.status, "", "", "", "", f"{seconds:.0f} s"))
                 continue
             rows.append((
                 attention, choice.label, format_bytes(m.peak_bytes or 0), format_bytes(m.memory.temp),
-                f"{(m.estimated_seconds or 0) * 1e3:.1f} ms", f"{(m.flops or 0) / 1e9:,.0f}", f"{seconds:.0f} s",
+                f"{(m.estimated_seconds or 0) * 1e3:.1f} ms",
+                f"{(m.estimate.roofline_seconds or 0) * 1e3:.1f} ms" if m.estimate else "",
+                f"{(m.flops or 0) / 1e9:,.0f}", f"{seconds:.0f} s",
             ))
             print(" | ".join(rows[-1]), flush=True)
     print()
-    print("| attention | plan | peak / chip | activations (temp) | est. step | GFLOP / chip | compile |")
-    print("|---|---|---|---|---|---|---|")
+    print("| attention | plan | peak / chip | activations (temp) | est. step | whole-program roofline | GFLOP / chip "
+          "| compile |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
