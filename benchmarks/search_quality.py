@@ -94,12 +94,12 @@ def main() -> None:
             reports[method] = remat_search.run(spec)
             walls[method] = _wall(spec.storage, spec.study, list(reports[method].trials))
             print(f"  {fraction:.0%} {method}: {walls[method]:.0f} s", flush=True)
-        presets = _presets(reports["planner"])
+        presets = presets_of(reports["planner"])
         preset_wall = _wall(f"sqlite:///{runs / f'planner-{fraction:.2f}.db'}", f"planner-{fraction:.2f}", presets)
         trials = {"preset": presets} | {m: list(reports[m].trials) for m in SEARCHERS}
-        paths = {m: _running_best(ts, budget) for m, ts in trials.items()}
-        answers = {m: _answer(reports[m], budget) for m in SEARCHERS}
-        fitting = [t.plan for t in presets if _fits(t, budget)]
+        paths = {m: running_best(ts, budget) for m, ts in trials.items()}
+        answers = {m: answer(reports[m], budget) for m in SEARCHERS}
+        fitting = [t.plan for t in presets if fits(t, budget)]
         plans = [NONE, *fitting, *(p for p in answers.values() if p), *(p for path in paths.values() for p in path if p)]
         times = _retime(list(dict.fromkeys(plans)), args.rounds)
         median = {plan: statistics.median(ts) for plan, ts in times.items()}
@@ -121,7 +121,7 @@ def main() -> None:
                 "GFLOP": f"{t.measurement.flops / 1e9:.3f}" if t else "—",
                 "vs none": f"{median[plan] / median[NONE]:.3f}" if plan else "—",
                 "within 3%": str(reached) if reached else f"> {len(trials[method])}",
-                "compiles": str(sum(1 for x in trials[method] if x.reused_from is None and x.measurement and x.measurement.compiled)),
+                "compiles": str(compiles(trials[method])),
                 "wall": f"{preset_wall if method == 'preset' else walls[method]:.0f} s",
             })
         verdicts.append(_verdict(fraction, answers, times, {r["method"]: r["within 3%"] for r in rows[-5:]}))
@@ -135,13 +135,13 @@ def main() -> None:
                 "answer of": ", ".join(m for m, a in answers.items() if a == plan) or "—",
                 "best so far of": ", ".join(m for m, path in paths.items() if plan in path) or "—",
             })
-        errors += _prediction_errors(reports["planner"])
-    table = _markdown(rows)
+        errors += prediction_errors(reports["planner"])
+    table = markdown(rows)
     summary = (
-        "\n" + "".join(verdicts) + "\n" + _error_line("peak", [e for e, _ in errors])
-        + _error_line("step time", [e for _, e in errors if e is not None])
+        "\n" + "".join(verdicts) + "\n" + error_line("peak", [e for e, _ in errors])
+        + error_line("step time", [e for _, e in errors if e is not None])
         + f"\nWhole run: {(time.perf_counter() - began) / 60:.0f} min.\n"
-        + "\n## Every plan re-timed, per budget (fastest first)\n\n" + _markdown(retimed)
+        + "\n## Every plan re-timed, per budget (fastest first)\n\n" + markdown(retimed)
     )
     header = (
         f"# Search quality ({args.trials} trials a method; transformer {WORKLOAD}; "
@@ -151,7 +151,7 @@ def main() -> None:
     )
     (args.out / "search_quality.md").write_text(header + table + summary)
     print(header + table + summary)
-    _plot(curves, args.out / "search_quality.png")
+    plot_best_so_far(curves, args.out / "search_quality.png", within=WITHIN, times="interleaved")
     print(f"wrote {args.out / 'search_quality.md'} and {args.out / 'search_quality.png'}")
 
 
@@ -165,15 +165,21 @@ def _no_remat_peak() -> int:
     return m.peak_bytes
 
 
-def _presets(report: remat_search.StudyReport) -> list[remat_search.TrialResult]:
-    return [t for t in report.trials if t.plan is not None and len(set(t.labels)) == 1][: len(CHOICES)]
+def presets_of(report: remat_search.StudyReport) -> list[remat_search.TrialResult]:
+    """The study's uniform presets, one a choice (each search measures them first)."""
+    first: dict[str, remat_search.TrialResult] = {}
+    for t in report.trials:
+        if t.plan is not None and len(set(t.labels)) == 1:
+            first.setdefault(t.labels[0], t)
+    return list(first.values())
 
 
-def _fits(t: remat_search.TrialResult, budget: int) -> bool:
+def fits(t: remat_search.TrialResult, budget: int) -> bool:
+    """Whether ``t`` was measured (or estimated) within ``budget``."""
     return t.status == "measured" and t.peak_bytes is not None and t.peak_bytes <= budget
 
 
-def _answer(report: remat_search.StudyReport, budget: int) -> remat_search.RematPlan | None:
+def answer(report: remat_search.StudyReport, budget: int) -> remat_search.RematPlan | None:
     """What ``remat-search best`` says for ``budget``: confirmed medians where the search confirmed."""
     try:
         return report.best(budget).plan
@@ -181,11 +187,11 @@ def _answer(report: remat_search.StudyReport, budget: int) -> remat_search.Remat
         return None
 
 
-def _running_best(trials: list[remat_search.TrialResult], budget: int) -> list[remat_search.RematPlan | None]:
+def running_best(trials: list[remat_search.TrialResult], budget: int) -> list[remat_search.RematPlan | None]:
     """After each trial, the fastest plan that fits so far, by the method's own search medians."""
     best, out = None, []
     for t in sorted(trials, key=lambda t: t.number):
-        if _fits(t, budget) and (best is None or t.step_seconds < best.step_seconds):
+        if fits(t, budget) and (best is None or t.step_seconds < best.step_seconds):
             best = t
         out.append(best.plan if best else None)
     return out
@@ -236,7 +242,8 @@ def _verdict(
     return f"- {fraction:.0%}: planner {versus}; trials to within 3%: {trials}.\n"
 
 
-def _prediction_errors(report: remat_search.StudyReport) -> list[tuple[float, float | None]]:
+def prediction_errors(report: remat_search.StudyReport) -> list[tuple[float, float | None]]:
+    """Relative errors (peak, step time) of the planner's predictions on the plans it proposed."""
     out = []
     for t in report.trials:
         if t.prediction and t.peak_bytes and t.reused_from is None:
@@ -246,7 +253,7 @@ def _prediction_errors(report: remat_search.StudyReport) -> list[tuple[float, fl
     return out
 
 
-def _error_line(what: str, errors: list[float]) -> str:
+def error_line(what: str, errors: list[float]) -> str:
     if not errors:
         return f"Planner {what} predictions: none to compare.\n"
     return (
@@ -255,28 +262,39 @@ def _error_line(what: str, errors: list[float]) -> str:
     )
 
 
-def _markdown(rows: list[dict[str, str]]) -> str:
+def compiles(trials: list[remat_search.TrialResult]) -> int:
+    """Plans the compiler saw for these trials: not the study's own reuses, nor plans screened
+    out (``prescreen``); a measurement cache hit counts, as the method alone would have compiled it."""
+    return sum(1 for t in trials if t.reused_from is None and t.measurement is not None and t.measurement.compiled)
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    """A markdown table of ``rows`` (columns: the first row's keys)."""
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(r[c] for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def _plot(curves: dict[float, tuple[dict[str, list[float | None]], float]], path: Path) -> None:
+def plot_best_so_far(
+    curves: dict[float, tuple[dict[str, list[float | None]], float]], path: Path, *, within: float, times: str,
+) -> None:
+    """One panel a budget: each method's best so far against trials, as a ratio to no remat's
+    step (``times`` says which times), and the line ``within`` of the best any method found."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), dpi=120, squeeze=False)
-    for ax, (fraction, (by_method, within)) in zip(axes[0], curves.items(), strict=True):
+    for ax, (fraction, (by_method, line)) in zip(axes[0], curves.items(), strict=True):
         for method, best in by_method.items():
             xs = [i for i, b in enumerate(best, 1) if b is not None]
             ax.step(xs, [best[i - 1] for i in xs], where="post", label=method)
-        ax.axhline(within, color="grey", linestyle="--", linewidth=0.8, label="within 3% of the best found")
+        ax.axhline(line, color="grey", linestyle="--", linewidth=0.8, label=f"within {within:.0%} of the best found")
         ax.set_title(f"budget {fraction:.0%} of the no-remat peak")
         ax.set_xlabel("trial")
-        ax.set_ylabel("best so far: step time / no remat's (interleaved)")
+        ax.set_ylabel(f"best so far: step time / no remat's ({times})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
