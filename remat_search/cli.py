@@ -578,6 +578,8 @@ def show(
             output.errors.print(note, markup=False, highlight=False, soft_wrap=True)
     else:
         output.console.print(output.describe_trial(found), highlight=False)
+    if stored.device.get("workload_note"):
+        output.console.print(stored.device["workload_note"], highlight=False, markup=False)
     if stored.device.get("shardings"):
         output.console.print(output.sharding_line(stored.device.get("mesh"), stored.device["shardings"]), highlight=False)
     if report is not None and path is not None:

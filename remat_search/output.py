@@ -224,6 +224,8 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
             f"{d.device_kind}" + (f", mesh {d.mesh}" if d.mesh else "")
             + ("" if d.executes else " (compile only: step times are estimated from the compiled program)")
         ]
+        if d.workload_note:
+            lines.append(d.workload_note)
         if d.shardings:
             lines.append(sharding_line(d.mesh, d.shardings))
         if not budget_given:

@@ -95,6 +95,9 @@ class DeviceInfo(BaseModel):
     sharding_digest: str = ""
     """Hash of the state's and batch's ``PartitionSpec`` s over the mesh ("" without one):
     part of the measurement cache key, as the model's partitioning changes per-chip memory."""
+    workload_note: str | None = None
+    """What the workload chose for this target that its spec left open, in a line
+    (:meth:`Workload.note`: ``attention: auto → flash (Pallas TPU kernel)``); None if nothing."""
 
 
 class Runner:
@@ -352,6 +355,7 @@ def _serve(
             traced_names=None if traced.names is None else tuple(sorted(traced.names)),
             shardings=workload.sharding_source() if mesh is not None else None,
             sharding_digest=_sharding_digest(workload, mesh),
+            workload_note=workload.note(),
             compiler_options=json.dumps({
                 "options": compiler_options(target.platform == "cpu"),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},

@@ -104,18 +104,41 @@ class TransformerConfig(_WorkloadConfig):
     """Stack the layers' parameters (leading axis = layers) and run them with ``lax.scan``:
     one scan per run of equal policies ("segments"), so compile time stays about constant in
     depth. Nested plans cannot be scanned."""
-    attention: Literal["dense", "flash"] = "dense"
+    attention: Literal["auto", "dense", "flash"] = "auto"
     """``dense``: the scores ``[batch, heads, seq, seq]`` computed and kept as tensors, as a
     plain implementation does. ``flash``: fused attention that keeps no ``seq × seq`` matrix,
     as real runs use: the Pallas TPU flash-attention kernel on a TPU target (per shard of the
     batch, in ``shard_map``), ``jax.nn.dot_product_attention`` elsewhere (cuDNN's fused
-    kernel on a GPU where it applies, XLA's composition on a CPU)."""
+    kernel on a GPU where it applies, XLA's composition on a CPU). ``auto`` (the default):
+    ``flash`` where it compiles and keeps no score matrix, else ``dense``, decided where the
+    workload is built for its target (:func:`resolved_attention`)."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TransformerConfig:
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
         return self
+
+
+FLASH_BLOCK = 128
+"""The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
+
+
+def flash_tiles(config: TransformerConfig) -> bool:
+    """Whether the Pallas TPU kernel can tile ``config``'s sequence (whole 128-token blocks)."""
+    return config.seq_len % FLASH_BLOCK == 0
+
+
+def resolved_attention(config: TransformerConfig, platform: str) -> Literal["dense", "flash"]:
+    """The attention ``config`` runs with on a ``platform`` (a JAX device's: ``tpu``, ``gpu``,
+    ``cpu``): as written unless ``auto``, which is ``flash`` on a TPU where the Pallas kernel
+    tiles the sequence and on a GPU, else ``dense``. Not on a CPU: there XLA's
+    ``dot_product_attention`` keeps the scores too, and its peak was not reliably lower."""
+    if config.attention != "auto":
+        return config.attention
+    if platform == "tpu":
+        return "flash" if flash_tiles(config) else "dense"
+    return "flash" if platform == "gpu" else "dense"
 
 
 class MlpConfig(_WorkloadConfig):

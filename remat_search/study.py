@@ -84,11 +84,24 @@ def spec_of_study(study: optuna.Study, storage: str, **overrides: Any) -> Search
     attrs = study.user_attrs
     if "space" not in attrs or "workload" not in attrs:
         raise StorageError(f"study: {study.study_name!r} was not made by remat-search (it has no spec stored)")
-    data: dict[str, Any] = {k: attrs[k] for k in IDENTITY_FIELDS if attrs.get(k) is not None}
+    data: dict[str, Any] = {k: as_stored(k, attrs[k]) for k in IDENTITY_FIELDS if attrs.get(k) is not None}
     data.update(attrs.get(SETTINGS_ATTR, {}))
     data.update(study=study.study_name, storage=storage, trials=max(1, finished_trials(study)))
     data.update(overrides)
     return parse_spec(data)
+
+
+FORMER_DEFAULTS: dict[str, dict[str, Any]] = {"transformer": {"attention": "dense"}}
+"""Workload fields, by kind, whose default has changed, at their former default: a study
+stored without one was searched with it (``attention`` was ``dense`` before ``auto``)."""
+
+
+def as_stored(key: str, stored: Any) -> Any:
+    """A stored identity field with the fields its version left out at their defaults then
+    (:data:`FORMER_DEFAULTS`), so that it is measured again as it was searched."""
+    if key != "workload" or not isinstance(stored, dict):
+        return stored
+    return {**FORMER_DEFAULTS.get(stored.get("kind", ""), {}), **stored}
 
 
 def as_written_now(key: str, stored: Any) -> Any:
@@ -97,6 +110,7 @@ def as_written_now(key: str, stored: Any) -> Any:
     stored where it does not read (another version's form, which then differs)."""
     if key not in ("workload", "space", "target", "mesh") or stored is None:
         return stored
+    stored = as_stored(key, stored)
     try:
         adapter = TypeAdapter(SearchSpec.model_fields[key].annotation)
         return adapter.dump_python(adapter.validate_python(stored), mode="json")

@@ -10,6 +10,7 @@ opens it, which records its device: later workers on other devices leave the stu
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -21,7 +22,7 @@ from remat_search.errors import StorageError
 from remat_search.liveness import enqueue
 from remat_search.planner import check_sampler
 from remat_search.space import Space
-from remat_search.spec import SearchSpec, parse_spec
+from remat_search.spec import SearchSpec, TransformerConfig, parse_spec
 from remat_search.store import (
     LAYERS_ATTR,
     QUEUED_ATTR,
@@ -30,7 +31,8 @@ from remat_search.store import (
     open_storage,
     translate_errors,
 )
-from remat_search.study import IDENTITY_FIELDS, as_written_now, finished_trials, identity_error
+from remat_search.stored import open_study
+from remat_search.study import IDENTITY_FIELDS, as_stored, as_written_now, finished_trials, identity_error
 from remat_search.workload import build_workload
 
 METRIC_NAMES = ("step seconds", "peak bytes")
@@ -55,6 +57,7 @@ def submit(spec: SearchSpec) -> Submitted:
     once, having measured nothing. Submitting the same spec again changes nothing but the
     settings ``run`` may change (``trials`` among them); another study of that name is refused."""
     check_storage(spec.storage, create=True)  # bad input fails before anything is written
+    spec = resumed_as_stored(spec)
     space = check(spec)
     storage = open_storage(spec.storage, create=True)
     with translate_errors(spec.storage):
@@ -63,6 +66,23 @@ def submit(spec: SearchSpec) -> Submitted:
         return Submitted(
             study=spec.study, storage=storage.url, created=created, done=finished_trials(study), total=spec.trials
         )
+
+
+def resumed_as_stored(spec: SearchSpec) -> SearchSpec:
+    """``spec``, or, where it leaves the transformer's ``attention`` unset and its study is
+    stored with ``dense`` (or without the field: searched before ``auto`` was the default),
+    ``spec`` with ``attention: dense``: rerunning an older spec resumes its study as it was
+    searched, not refused for another workload. Reads only; a study not stored yet is left be."""
+    workload = spec.workload
+    if not isinstance(workload, TransformerConfig) or "attention" in workload.model_fields_set:
+        return spec
+    stored = None
+    with contextlib.suppress(StorageError), open_study(spec.study, spec.storage) as study:  # none yet: nothing to resume
+        spec_attr = study.attrs.get(SPEC_ATTR)
+        stored = as_stored("workload", spec_attr.get("workload") if isinstance(spec_attr, dict) else study.attrs.get("workload"))
+    if not isinstance(stored, dict) or stored.get("attention") != "dense":
+        return spec
+    return spec.model_copy(update={"workload": workload.model_copy(update={"attention": "dense"})})
 
 
 def check(spec: SearchSpec) -> Space:
@@ -144,4 +164,5 @@ def spec_of_submitted(study: optuna.Study, storage: str, **overrides: Any) -> Se
             f"study: {study.study_name!r} has no stored spec (it was searched before `submit` existed); "
             "run its spec again with `remat-search run`"
         )
+    stored = {**stored, "workload": as_stored("workload", stored.get("workload"))}
     return parse_spec({**stored, "storage": storage, **overrides})

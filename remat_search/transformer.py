@@ -26,11 +26,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_search.errors import SpecError
 from remat_search.plan import RematPlan, apply_layers, scan_layers
-from remat_search.spec import TransformerConfig
+from remat_search.spec import FLASH_BLOCK, TransformerConfig, flash_tiles, resolved_attention
 from remat_search.workload import PyTree, Workload, split_batch_over
 
-FLASH_BLOCK = 128
-"""The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
 TENSOR_NAMES = frozenset(
     {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"}
 )
@@ -52,6 +50,8 @@ class Block(nn.Module):
     config: TransformerConfig
     mesh: Any = None
     """The target's mesh (None: one device): where the flash kernel runs."""
+    flash: bool = False
+    """Fused attention (the config's attention as resolved for the target), else dense."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,7 +63,7 @@ class Block(nn.Module):
             checkpoint_name(dense_general((c.heads, head_dim), name=n)(h), f"{n}_proj")
             for n in ("query", "key", "value")
         )
-        context = checkpoint_name(_attention(q, k, v, flash=c.attention == "flash", mesh=self.mesh), "context")
+        context = checkpoint_name(_attention(q, k, v, flash=self.flash, mesh=self.mesh), "context")
         x = x + checkpoint_name(dense_general(c.d_model, axis=(-2, -1), name="out")(context), "out_proj")
         h = norm(name="mlp_norm")(x)
         h = checkpoint_name(dense(c.d_ff, name="wi")(h), "mlpwi")
@@ -119,19 +119,42 @@ class TransformerWorkload(Workload):
         """Keep the mesh (the flash kernel runs per shard of it); refuse a sequence the TPU
         kernel cannot tile."""
         c = self.config
-        if c.attention == "flash" and mesh is not None and mesh.devices.flat[0].platform == "tpu" and c.seq_len % FLASH_BLOCK:
+        if c.attention == "flash" and mesh is not None and mesh.devices.flat[0].platform == "tpu" and not flash_tiles(c):
             raise SpecError(
                 f"workload.attention: flash on a TPU target runs the Pallas kernel, whose blocks are "
                 f"{FLASH_BLOCK} tokens: seq_len must be a multiple of {FLASH_BLOCK}, got {c.seq_len}"
             )
         super().use_mesh(mesh)
 
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices (this process's default one without a mesh)."""
+        return str(self.mesh.devices.flat[0].platform if self.mesh is not None else jax.devices()[0].platform)
+
+    @property
+    def attention(self) -> str:
+        """The attention this workload runs with: the config's, ``auto`` resolved for :attr:`platform`."""
+        return resolved_attention(self.config, self.platform)
+
+    def note(self) -> str | None:
+        """``attention: auto → …``, what ``auto`` became for the target and why (None unless auto)."""
+        if self.config.attention != "auto":
+            return None
+        platform = self.platform
+        tpu_kernel = self.mesh is not None and platform == "tpu"
+        if self.attention == "flash":
+            return f"attention: auto → flash ({'Pallas TPU kernel' if tpu_kernel else 'jax.nn.dot_product_attention'})"
+        if platform == "tpu":
+            return (f"attention: auto → dense (seq_len {self.config.seq_len} is not a multiple of the "
+                    f"Pallas TPU kernel's {FLASH_BLOCK}-token blocks)")
+        return f"attention: auto → dense (on {platform}, XLA's dot_product_attention keeps the scores too)"
+
     def _modules(self) -> dict[str, nn.Module]:
         c = self.config
         norm, dense, _ = _layers(c)
         return {
             "embed": nn.Embed(c.vocab, c.d_model, dtype=c.dtype, param_dtype=c.dtype),
-            "block": Block(c, self.mesh),
+            "block": Block(c, self.mesh, flash=self.attention == "flash"),
             "final_norm": norm(),
             "logits": dense(c.vocab),
         }

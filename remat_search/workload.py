@@ -69,6 +69,12 @@ class Workload(abc.ABC):
         :attr:`mesh`. Override it to build what depends on the mesh (call ``super()``)."""
         self.mesh = mesh
 
+    def note(self) -> str | None:
+        """A line on what the workload chose for its target that its spec left open (the
+        built-in transformer's ``attention: auto → flash (Pallas TPU kernel)``); None where it
+        chose nothing. Called after :meth:`use_mesh`; ``run`` and ``show`` print it."""
+        return None
+
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """A context the worker enters around tracing the inputs and each step (a linen
         model's ``nn.logical_axis_rules(...)``, say); none by default."""
