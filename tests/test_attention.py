@@ -1,6 +1,6 @@
 """``attention: flash`` in the built-in transformer: the same mathematics as ``dense``, with no
 ``seq × seq`` matrix kept; on a TPU target the Pallas TPU kernel, compiled ahead of time by the
-real TPU compiler from this CPU host."""
+real TPU compiler from this CPU host. ``attention: auto`` (the default): flash where it compiles."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from remat_search import RematPlan, build_workload
+from remat_search.cache import cache_key
 from remat_search.executables import Executables, measure
-from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig
+from remat_search.runner import Runner
+from remat_search.spec import TimingConfig, TpuTarget, TransformerConfig, resolved_attention
 
 from .conftest import TINY_TRANSFORMER, spec_dict, write_spec
 
@@ -65,3 +67,49 @@ def test_flash_on_a_tpu_target_needs_whole_kernel_blocks(tmp_path: Path, storage
     assert "workload.attention: flash on a TPU target runs the Pallas kernel" in result.stderr
     assert "seq_len must be a multiple of 128, got 32" in result.stderr
     assert not list(tmp_path.glob("*.db*"))
+
+
+def test_auto_is_flash_where_it_compiles_and_dense_elsewhere() -> None:
+    """The default ``auto``, resolved where the workload is built for its target: dense on this
+    CPU, flash (the Pallas kernel, in the lowered step) on a v5e when ``seq_len`` is whole
+    128-token blocks, dense when it is not, flash on a GPU; ``dense`` and ``flash`` as written."""
+    from remat_search.target import target_of
+
+    short = TransformerConfig(**TINY_TRANSFORMER)  # seq_len 32
+    long = TransformerConfig(**{**TINY_TRANSFORMER, "seq_len": 128})
+    assert short.attention == "auto"
+    assert [resolved_attention(short, p) for p in ("cpu", "gpu", "tpu")] == ["dense", "flash", "dense"]
+    assert resolved_attention(long, "tpu") == "flash"
+    for written in ("dense", "flash"):
+        assert {resolved_attention(short.model_copy(update={"attention": written}), p) for p in ("cpu", "tpu")} == {written}
+
+    local = build_workload(short)
+    local.use_mesh(None)
+    assert local.attention == "dense"
+    assert local.note() == "attention: auto → dense (on cpu, XLA's dot_product_attention keeps the scores too)"
+    assert build_workload(short.model_copy(update={"attention": "dense"})).note() is None
+
+    mesh = target_of(V5E).mesh({"data": 4})
+    untiled, tiled = build_workload(short), build_workload(long)
+    untiled.use_mesh(mesh)
+    tiled.use_mesh(mesh)
+    assert untiled.attention == "dense" and "seq_len 32 is not a multiple of the Pallas TPU kernel's 128" in untiled.note()
+    assert tiled.attention == "flash" and tiled.note() == "attention: auto → flash (Pallas TPU kernel)"
+    hlo = tiled.step(RematPlan.uniform("none", 2), mesh).lower(*tiled.abstract_inputs(mesh)).as_text()
+    assert "tpu_custom_call" in hlo
+
+
+def test_the_measurement_cache_keys_on_the_resolved_attention() -> None:
+    """Workers for ``auto`` and for what it resolves to key a plan's measurement alike (one
+    program), on this CPU (dense) and on a v5e (flash); dense and flash do not."""
+    plan = RematPlan.uniform("full", 2).digest
+
+    def key(config: dict[str, Any], attention: str, **where: Any) -> dict[str, str]:
+        with Runner(TransformerConfig(**config, attention=attention), timeout=120, **where) as runner:
+            return cache_key(runner.describe(), plan)
+
+    cpu = {a: key(TINY_TRANSFORMER, a) for a in ("auto", "dense", "flash")}
+    assert cpu["auto"] == cpu["dense"] != cpu["flash"]
+    long = {**TINY_TRANSFORMER, "seq_len": 128}
+    tpu = {a: key(long, a, target=V5E, mesh={"data": 4}) for a in ("auto", "flash")}
+    assert tpu["auto"] == tpu["flash"]

@@ -96,7 +96,7 @@ def test_collectives_cost_what_a_ring_moves_per_chip_once_a_channel_at_the_ici_b
 
 V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 MODEL = {"kind": "transformer", "layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 256, "batch": 16,
-         "vocab": 256}
+         "vocab": 256, "attention": "dense"}
 
 
 def _estimated(policy: str, mesh: dict[str, int], **changes: object) -> Measurement:

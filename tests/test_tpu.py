@@ -26,10 +26,12 @@ V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 HBM_V5E = int(15.75 * 2**30)  # "available HBM (15.75G)", as libtpu reports a v5e chip
 QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))
 # Attention-heavy enough that activations, not weights, set the per-chip peak.
-SMALL = TransformerConfig(kind="transformer", layers=2, d_model=128, heads=4, d_ff=512, seq_len=256, batch=16, vocab=256)
+SMALL = TransformerConfig(kind="transformer", layers=2, d_model=128, heads=4, d_ff=512, seq_len=256, batch=16, vocab=256,
+                          attention="dense")
 # 2 layers of 192 sequences × 1024 tokens per chip: too big for 16 GiB unless recomputed
 # (jax 0.10.2, libtpu 0.0.42.1: no remat needs 20.4 GiB, full remat peaks at 14.4 GiB).
-LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_ff=2048, seq_len=1024, batch=768, vocab=256)
+LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_ff=2048, seq_len=1024, batch=768, vocab=256,
+                          attention="dense")
 
 
 def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None) -> Measurement:
