@@ -147,7 +147,7 @@ class TransformerWorkload(Workload):
         if platform == "tpu":
             return (f"attention: auto → dense (seq_len {self.config.seq_len} is not a multiple of the "
                     f"Pallas TPU kernel's {FLASH_BLOCK}-token blocks)")
-        return f"attention: auto → dense (on {platform}, XLA's dot_product_attention keeps the scores too)"
+        return f"attention: auto → dense (on {platform}, flash would be XLA's composition, which keeps the scores too)"
 
     def _modules(self) -> dict[str, nn.Module]:
         c = self.config

@@ -86,7 +86,7 @@ def test_auto_is_flash_where_it_compiles_and_dense_elsewhere() -> None:
     local = build_workload(short)
     local.use_mesh(None)
     assert local.attention == "dense"
-    assert local.note() == "attention: auto → dense (on cpu, XLA's dot_product_attention keeps the scores too)"
+    assert local.note() == "attention: auto → dense (on cpu, flash would be XLA's composition, which keeps the scores too)"
     assert build_workload(short.model_copy(update={"attention": "dense"})).note() is None
 
     mesh = target_of(V5E).mesh({"data": 4})

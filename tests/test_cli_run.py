@@ -125,6 +125,16 @@ def test_output_to_a_pipe_has_a_line_a_trial_and_the_confirmation(tiny_run: str)
     assert lines.index(trial_lines[-1]) < confirming < next(i for i, line in enumerate(lines) if "Pareto" in line)
 
 
+def test_run_and_show_say_what_attention_auto_became(cli, tiny_search: tuple[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    """The spec leaves attention at ``auto``: the run's header and ``show`` say it is dense on this CPU."""
+    line = "attention: auto → dense (on cpu, flash would be XLA's composition, which keeps the scores too)"
+    assert tiny_search[0].splitlines()[2] == line
+    storage = yaml.safe_load(tiny_search[1].read_text())["storage"]
+    shown = cli("show", "--study", "tiny", "--storage", storage)
+    assert shown.exit_code == 0, shown.stdout + shown.stderr
+    assert line in shown.stdout.splitlines()
+
+
 def test_a_rerun_and_a_confirm_say_the_stored_results_are_reused(cli, tiny_search: tuple[str, Path]) -> None:  # type: ignore[no-untyped-def]
     spec = yaml.safe_load(tiny_search[1].read_text())
     rerun = cli("run", str(tiny_search[1]))

@@ -20,7 +20,7 @@ from remat_search import RematPlan, SpecError
 from remat_search.executables import Executables, measure
 from remat_search.spec import TimingConfig, parse_spec
 from remat_search.store import SPEC_ATTR
-from remat_search.study import Progress
+from remat_search.study import Progress, spec_of_study
 from remat_search.units import format_bytes
 
 from .conftest import FAST_TIMING, TINY_TRANSFORMER, spec_dict, write_spec
@@ -207,6 +207,31 @@ def test_a_study_stored_before_a_field_existed_resumes_with_that_field_at_its_de
     assert [t.number for t in again.trials] == [t.number for t in report.trials]
     with pytest.raises(SpecError, match="spec.workload: study 'tiny' already exists with another workload"):
         remat_search.run(parse_spec(spec_dict(older, trials=8, workload={**TINY_TRANSFORMER, "scan": True})))
+
+
+def test_a_study_stored_before_attention_auto_resumes_with_dense_attention(
+    finished, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A study stored without ``attention`` was searched with dense attention, the default then:
+    its spec (which leaves attention unset, now ``auto``) resumes it as dense, as do ``confirm``
+    and ``plan --measure`` (:func:`spec_of_study`); an explicit ``auto`` is another workload.
+    A study stored with ``auto`` resumes as ``auto``."""
+    storage, _, report = finished
+    assert spec_of_study(optuna.load_study(study_name="tiny", storage=storage), storage).workload.attention == "auto"
+    copy = tmp_path / "studies.db"
+    with sqlite3.connect(storage.removeprefix("sqlite:///")) as source, sqlite3.connect(copy) as target:
+        source.backup(target)
+    older = f"sqlite:///{copy}"
+    study = optuna.load_study(study_name="tiny", storage=older)
+    workload = {k: v for k, v in study.user_attrs["workload"].items() if k != "attention"}
+    study.set_user_attr("workload", workload)
+    study.set_user_attr(SPEC_ATTR, {**study.user_attrs[SPEC_ATTR], "workload": workload})
+    assert spec_of_study(study, older).workload.attention == "dense"
+    again = remat_search.run(parse_spec(spec_dict(older, trials=8)))
+    assert [t.number for t in again.trials] == [t.number for t in report.trials]
+    assert optuna.load_study(study_name="tiny", storage=older).user_attrs[SPEC_ATTR]["workload"]["attention"] == "dense"
+    with pytest.raises(SpecError, match="spec.workload: study 'tiny' already exists with another workload"):
+        remat_search.run(parse_spec(spec_dict(older, trials=8, workload={**TINY_TRANSFORMER, "attention": "auto"})))
 
 
 def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
