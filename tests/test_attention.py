@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from remat_search import RematPlan, build_workload
+from remat_search import RematPlan, build_workload, load_spec
 from remat_search.cache import cache_key
 from remat_search.executables import Executables, measure
 from remat_search.runner import Runner
@@ -86,6 +86,10 @@ def test_auto_is_flash_where_it_compiles_and_dense_elsewhere() -> None:
     local = build_workload(short)
     local.use_mesh(None)
     assert local.attention == "dense"
+    # On a CPU flash is XLA's composition: it computes each head's 32 × 32 score matrix too.
+    cpu_flash = build_workload(short.model_copy(update={"attention": "flash"}))
+    hlo = cpu_flash.step(RematPlan.uniform("none", 2)).lower(*cpu_flash.abstract_inputs()).as_text()
+    assert "tensor<4x2x32x32xf32>" in hlo
     assert local.note() == "attention: auto → dense (on cpu, flash would be XLA's composition, which keeps the scores too)"
     assert build_workload(short.model_copy(update={"attention": "dense"})).note() is None
 
@@ -113,3 +117,11 @@ def test_the_measurement_cache_keys_on_the_resolved_attention() -> None:
     long = {**TINY_TRANSFORMER, "seq_len": 128}
     tpu = {a: key(long, a, target=V5E, mesh={"data": 4}) for a in ("auto", "flash")}
     assert tpu["auto"] == tpu["flash"]
+
+
+@pytest.mark.parametrize("name", ["v5e-writeup", "v5e-1b"])
+def test_the_v5e_specs_pin_the_dense_attention_their_readme_figures_used(name: str) -> None:
+    """Their 2,048 tokens are whole kernel blocks: ``auto`` would be flash there."""
+    workload = load_spec(Path(__file__).parents[1] / "search_spaces" / f"{name}.yaml").workload
+    assert workload.attention == "dense"
+    assert resolved_attention(workload.model_copy(update={"attention": "auto"}), "tpu") == "flash"
