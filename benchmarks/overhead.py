@@ -95,7 +95,9 @@ def main() -> None:
         f"(the planner's own trials per budget: {args.trials})\n\n" + "".join(map(described, variants)) + "\n"
     )
     text = (
-        header + markdown([row for v in variants for row in cut_rows(v)])
+        header + "## The uniform presets\n\n" + markdown([row for v in variants for row in preset_rows(v)])
+        + "\n## The best plan found for each cut, beside the best preset\n\n"
+        + markdown([row for v in variants for row in cut_rows(v)])
         + "\n## The front of every plan compiled (least memory first)\n\n"
         + markdown([row for v in variants for row in front_rows(v)])
         + f"\nWhole run: {(time.perf_counter() - began) / 60:.0f} min"
@@ -156,6 +158,22 @@ def cut_rows(v: Variant) -> list[dict[str, str]]:
             "best preset": preset.summary() if preset else "none fits",
             "preset saved": f"{v.saved(preset):.0%}" if preset else "—",
             "preset overhead": f"{v.overhead(preset):+.1%}" if preset else "—",
+        })
+    return rows
+
+
+def preset_rows(v: Variant) -> list[dict[str, str]]:
+    """A row a uniform preset: its compiled peak and activations, both models' step times."""
+    rows = []
+    for t in sorted(v.presets, key=lambda t: -t.peak_bytes):
+        estimate = t.measurement.estimate
+        rows.append({
+            "attention": v.attention, "plan": t.labels[0], "peak / chip": format_bytes(t.peak_bytes),
+            "activations (temp)": format_bytes(t.measurement.memory.temp), "saved": f"{v.saved(t):.0%}",
+            "est. step": f"{t.seconds * 1e3:.1f} ms", "overhead": f"{v.overhead(t):+.1%}",
+            "whole-program roofline": f"{estimate.roofline_seconds * 1e3:.1f} ms" if estimate and estimate.roofline_seconds else "—",
+            "GFLOP / chip": f"{t.measurement.flops / 1e9:,.0f}",
+            "compile": f"{t.measurement.compile_seconds:.0f} s" if t.measurement.compile_seconds else "—",
         })
     return rows
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from remat_search.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 4
+MEASUREMENT_SCHEMA = 5
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -27,7 +27,9 @@ peaks of temporaries only. 2: the measured executable's first step checked again
 remat's, run only within the budget; out-of-memory peaks in full. 3: the cache keeps the raw
 measurement alone (no verdict), with the last loss, and a compile-only target's estimate
 whatever the budget. 4: that estimate is the per-instruction model (``step_time``), with the
-whole-program roofline beside it."""
+whole-program roofline beside it. 5: that model prices a slice or an in-place update by the part
+of the buffer it touches, and the built-in transformer splits each layer's activations over the
+batch axes explicitly (a scanned model's program changed)."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 

@@ -134,9 +134,10 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 
 _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
-    "opt-barrier", "add-dependency", "domain", "copy-done", "async-done", "send-done", "recv-done",
+    "opt-barrier", "add-dependency", "domain", "copy-done", "async-done", "slice-done", "send-done", "recv-done",
     "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done", "all-to-all-done",
 }
+_SLICES = {"slice", "dynamic-slice", "gather"}
 _COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all"}
 
 
@@ -319,13 +320,70 @@ def _instruction_cost(module: _Module, computation: _Computation, ins: _Instruct
         return _cost_of(module, called.get("to_apply", ""), memo)
     if opcode.removesuffix("-start") in _COLLECTIVES:
         return _Cost(instructions=1, channels=_collectives(computation, [ins]))
-    operands = sum(_hbm_bytes(computation.shapes.get(o, "")) for o in ins.operands)
-    moved = operands + (0.0 if opcode.endswith("-start") else _hbm_bytes(ins.shape))
+    moved = _moved(module, computation, ins)
     flops = _flops(module, computation, ins)
-    fused = dict(_CALLED.findall(ins.attributes)).get("calls", "") if opcode == "fusion" else ""
+    fused = called.get("calls", "") if opcode == "fusion" else ""
     channels = _collectives(module.computations[fused], module.computations[fused].instructions) if (
         fused in module.computations) else {}
     return _Cost(flops=flops, hbm_bytes=moved, instructions=1, priced=[(flops, moved)], channels=channels)
+
+
+def _moved(module: _Module, computation: _Computation, ins: _Instruction) -> float:
+    """HBM bytes ``ins`` reads and writes: each operand in full and its result, except where it
+    touches part of a buffer, as XLA's own cost analysis counts: a slice (``slice``,
+    ``dynamic-slice``, ``gather``, also inside a fusion) reads only what it keeps, and an update
+    in place (``dynamic-update-slice``) reads and writes only the update, not the buffer it
+    updates. A scanned model's loop slices its layer out of stacked arrays, and writes its
+    saved activations into them, this way every iteration."""
+    shapes = computation.shapes
+    if ins.opcode.removesuffix("-start") in _SLICES:
+        arrays = _arrays(ins.shape)
+        kept = arrays[1] if ins.opcode.endswith("-start") and len(arrays) > 1 else arrays[0]
+        source = _arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
+        return (kept[1] if source and source[0][2] == 0 else 0.0) + (kept[1] if kept[2] == 0 else 0.0)
+    if ins.opcode == "dynamic-update-slice":
+        update = _hbm_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
+        return 2 * update if _arrays(ins.shape)[0][2] == 0 else update
+    fused = module.computations.get(dict(_CALLED.findall(ins.attributes)).get("calls", "")) if (
+        ins.opcode == "fusion") else None
+    reads = [_hbm_bytes(shapes.get(o, "")) for o in ins.operands]
+    written = 0.0 if ins.opcode.endswith("-start") else _hbm_bytes(ins.shape)
+    if fused is None:
+        return sum(reads) + written
+    users: dict[str, list[_Instruction]] = {}
+    for i in fused.instructions:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+
+    def touched(name: str) -> list[_Instruction]:  # its users, through bitcasts
+        found = []
+        for u in users.get(name, []):
+            found += touched(u.name) if u.opcode == "bitcast" else [u]
+        return found
+
+    def origin(name: str) -> _Instruction | None:  # the instruction behind bitcasts
+        i = fused.by_name.get(name)
+        return origin(i.operands[0]) if i is not None and i.opcode == "bitcast" and i.operands else i
+
+    for p in (i for i in fused.instructions if i.opcode == "parameter"):
+        index = int(p.arguments) if p.arguments.isdigit() else -1
+        if not 0 <= index < len(reads):
+            continue
+        uses = touched(p.name)
+        if uses and all(u.opcode in _SLICES for u in uses):
+            reads[index] = min(reads[index], sum(_bytes(u.shape) for u in uses))
+        elif uses and all(u.opcode == "dynamic-update-slice" and origin(u.operands[0]) is p for u in uses):
+            reads[index] = 0.0
+    root = fused.instructions[-1] if fused.instructions else None
+    outputs = [origin(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [origin(
+        root.name) if root is not None else None]
+    arrays = _arrays(ins.shape)
+    if len(outputs) == len(arrays) and not ins.opcode.endswith("-start"):
+        written = sum(
+            (_bytes(fused.shapes.get(out.operands[1], "")) if out is not None and out.opcode == "dynamic-update-slice"
+             else nbytes) for out, (_, nbytes, space) in zip(outputs, arrays, strict=True) if space == 0
+        )
+    return sum(reads) + written
 
 
 def _collectives(computation: _Computation, instructions: list[_Instruction]) -> dict[str, float]:

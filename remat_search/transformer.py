@@ -57,6 +57,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         norm, dense, dense_general = _layers(c)
+        x = _split_batch(x, self.mesh)
         head_dim = c.d_model // c.heads
         h = norm(name="attn_norm")(x)
         q, k, v = (
@@ -68,6 +69,19 @@ class Block(nn.Module):
         h = norm(name="mlp_norm")(x)
         h = checkpoint_name(dense(c.d_ff, name="wi")(h), "mlpwi")
         return x + checkpoint_name(dense(c.d_model, name="wo")(nn.gelu(h)), "mlpwo")
+
+
+def _split_batch(x: jax.Array, mesh: Any) -> jax.Array:
+    """``x`` constrained to be split along its batch over the mesh's batch axes, as the inputs
+    are. Without it, inside a scanned model's loop XLA's sharding propagation may follow the
+    FSDP-split weights instead and gather every layer's activations across the chips."""
+    batch_axes = split_batch_over(mesh)
+    if not batch_axes or x.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
+        return x
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch_axes)))
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any) -> jax.Array:
