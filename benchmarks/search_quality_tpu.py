@@ -3,6 +3,7 @@
 One command, all in one run, from any machine with libtpu (``pip install -e '.[tpu,plot]'``):
 
     python benchmarks/search_quality_tpu.py            # see the results file for its time here
+    python benchmarks/search_quality_tpu.py --resume   # an interrupted run: finish its studies
 
 The comparison of ``search_quality.py`` (the built-in transformer at 8 layers, its six choices
 per layer, budgets of 50%, 65% and 80% of no remat's compiled peak, the same trial count for
@@ -56,9 +57,15 @@ from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent
 TARGET = {"platform": "tpu", "topology": "v5e:2x2"}
-WORKLOAD = {"kind": "transformer", "layers": 8, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256,
+WORKLOAD = {"kind": "transformer", "layers": 8, "d_model": 1024, "heads": 8, "d_ff": 4096, "seq_len": 512,
             "batch": 32, "vocab": 8192, "dtype": "bfloat16", "attention": "dense"}
-"""8 sequences a chip over ``v5e:2x2``'s 4 chips, data parallel: activations are most of the peak."""
+"""8 sequences a chip over ``v5e:2x2``'s 4 chips. d_model 1024 makes the matmuls most of the step, so
+recomputing them costs time (full remat +11% est.; at d_model 512 it cost nothing: the step was
+bandwidth-bound, and recomputing fused elementwise work saves the bytes of keeping it)."""
+MESH = {"fsdp": 4}
+"""Parameters and optimizer state split over the 4 chips (with the batch): activations are most
+of the peak, so the budgets (fractions of no remat's peak) leave room for mixes (full remat's
+peak is 38% of no remat's)."""
 WITHIN = 0.01
 
 
@@ -68,11 +75,14 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.5,0.65,0.8", help="fractions of the no-remat peak")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--keep-cache", action="store_true",
-                        help="keep the earlier run's measurement cache (its studies are searched afresh either way)")
+                        help="keep the earlier run's measurement cache (its studies are searched afresh)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the earlier run's studies and cache, and finish the studies it left unfinished")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     (args.out / "studies").mkdir(parents=True, exist_ok=True)
-    storage = fresh_storage(args.out / "studies" / "tpu.db", keep_cache=args.keep_cache)
+    db = args.out / "studies" / "tpu.db"
+    storage = f"sqlite:///{db}" if args.resume else fresh_storage(db, keep_cache=args.keep_cache)
     began = time.perf_counter()
 
     presets = search(storage, "presets", WORKLOAD, CHOICES, layout="uniform", trials=len(CHOICES), sampler="random")
@@ -116,10 +126,11 @@ def main() -> None:
         "\n" + "".join(verdicts) + "\n" + error_line("peak", [e for e, _ in errors])
         + error_line("step time", [e for _, e in errors if e is not None])
         + f"\nWhole run: {(time.perf_counter() - began) / 60:.0f} min"
-        + (" (measurement cache of an earlier run kept)" if args.keep_cache else "") + ".\n"
+        + (" (measurement cache of an earlier run kept)" if args.keep_cache else "")
+        + (" (this pass only: it finished an earlier, interrupted run's studies)" if args.resume else "") + ".\n"
     )
     header = (
-        f"# Search quality on {TARGET['topology']} ({args.trials} trials a method; transformer {WORKLOAD}; "
+        f"# Search quality on {TARGET['topology']}, mesh {MESH} ({args.trials} trials a method; transformer {WORKLOAD}; "
         f"no-remat peak {format_bytes(none.peak_bytes)}, est. step {none.seconds * 1e3:.3f} ms)\n\n"
         f"Command: `python benchmarks/search_quality_tpu.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`\n\n"
         f"Step times: estimated by the `{model}` model (nothing ran); {versions(presets)}.\n\n"
@@ -145,7 +156,7 @@ def fresh_storage(path: Path, *, keep_cache: bool) -> str:
 def search(
     storage: str, study: str, workload: dict[str, Any], choices: list[Any], *, trials: int, sampler: str,
     budget: int | None = None, layout: str = "per_layer", target: dict[str, str] = TARGET,
-    mesh: dict[str, int] | None = None,
+    mesh: dict[str, int] | None = MESH,
 ) -> remat_search.StudyReport:
     """One study on the TPU target, searched to the end; its report."""
     spec = parse_spec({
