@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from remat_search.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 5
+MEASUREMENT_SCHEMA = 6
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -29,7 +29,9 @@ measurement alone (no verdict), with the last loss, and a compile-only target's 
 whatever the budget. 4: that estimate is the per-instruction model (``step_time``), with the
 whole-program roofline beside it. 5: that model prices a slice or an in-place update by the part
 of the buffer it touches, and the built-in transformer splits each layer's activations over the
-batch axes explicitly (a scanned model's program changed)."""
+batch axes explicitly (a scanned model's program changed). 6: a loop whose body advances its
+counter by more than 1 (the TPU compiler's windowed matmuls over an FSDP gather: 2) is counted
+that many times fewer."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 

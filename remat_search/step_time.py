@@ -404,6 +404,7 @@ def _trip_count(module: _Module, computation: _Computation, loop: _Instruction, 
     condition ``counter < N`` (or ``<=``) and the counter's first value in the loop's operand."""
     if stated := _TRIP.search(loop.attributes):
         return int(stated[1])
+    called = dict(_CALLED.findall(loop.attributes))
     cond = module.computations.get(condition)
     root = cond.instructions[-1] if cond and cond.instructions else None
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
@@ -419,13 +420,49 @@ def _trip_count(module: _Module, computation: _Computation, loop: _Instruction, 
         op = direction[1]
     if op not in ("LT", "LE") or a.opcode != "get-tuple-element" or b.opcode != "constant":
         return None
-    index = re.search(r"index=(\d+)", a.attributes)
-    init = _counter_start(computation, loop, int(index[1]) if index else 0)
+    index = int(found[1]) if (found := re.search(r"index=(\d+)", a.attributes)) else 0
+    init = _counter_start(computation, loop, index)
+    step = _counter_step(module.computations.get(called.get("body", "")), index)
     try:
         limit = int(b.arguments)
     except ValueError:
         return None
-    return max(limit - init + (op == "LE"), 0) if init is not None else None
+    if init is None or step is None:
+        return None
+    return max(-(-(limit - init + (op == "LE")) // step), 0)
+
+
+def _counter_step(body: _Computation | None, index: int) -> int | None:
+    """What the loop's body adds to its counter (element ``index`` of the loop's tuple) each
+    iteration: 1 in a scan, more where the compiler unrolled the body (the TPU compiler's
+    windowed matmuls over an FSDP gather advance theirs by 2, one chunk from each side of the
+    ring each iteration); None where the body's counter is not ``counter + constant``."""
+    root = body.instructions[-1] if body is not None and body.instructions else None
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return None
+    update = _through_copies(body, root.operands[index])
+    if update is None or update.opcode != "add" or len(update.operands) != 2:
+        return None
+    for counter, amount in (update.operands, update.operands[::-1]):
+        read, constant = _through_copies(body, counter), _through_copies(body, amount)
+        if (read is not None and read.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", read.attributes)
+                and constant is not None and constant.opcode == "constant"):
+            try:
+                step = int(constant.arguments)
+            except ValueError:
+                return None
+            return step if step > 0 else None
+    return None
+
+
+def _through_copies(computation: _Computation, name: str) -> _Instruction | None:
+    """The instruction behind ``name``, past the copies and bitcasts the scheduler adds."""
+    found = computation.by_name.get(name)
+    for _ in range(8):
+        if found is None or found.opcode not in ("copy", "bitcast", "copy-start", "copy-done") or not found.operands:
+            break
+        found = computation.by_name.get(found.operands[0])
+    return found
 
 
 def _counter_start(computation: _Computation, loop: _Instruction, index: int) -> int | None:
@@ -433,11 +470,7 @@ def _counter_start(computation: _Computation, loop: _Instruction, index: int) ->
     init = computation.by_name.get(loop.operands[0]) if loop.operands else None
     if init is None or init.opcode != "tuple" or index >= len(init.operands):
         return None
-    start = computation.by_name.get(init.operands[index])
-    for _ in range(8):  # through the copies the scheduler adds
-        if start is None or start.opcode not in ("copy", "bitcast", "copy-start", "copy-done") or not start.operands:
-            break
-        start = computation.by_name.get(start.operands[0])
+    start = _through_copies(computation, init.operands[index])
     try:
         return int(start.arguments) if start is not None and start.opcode == "constant" else None
     except ValueError:

@@ -133,6 +133,55 @@ def test_a_slice_reads_what_it_keeps_and_an_update_in_place_moves_only_the_updat
     assert estimate_step(SLICED, CHIP).hbm_bytes == layer + sliced + put
 
 
+STEPPED = """HloModule stepped, is_scheduled=true
+
+%fused_matmul (param_0: bf16[64,128], param_1: bf16[128,256]) -> bf16[64,256] {
+  %param_0 = bf16[64,128]{1,0} parameter(0)
+  %param_1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (u32[], bf16[64,128], bf16[128,256])) -> (u32[], bf16[64,128], bf16[128,256]) {
+  %p = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %a = bf16[64,128]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[128,256]{1,0} get-tuple-element(%p), index=2
+  %fusion.1 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+  %fusion.2 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+  %copy.1 = u32[] copy(%i)
+  %two = u32[] constant(2)
+  %next = u32[] add(%copy.1, %two)
+  ROOT %tuple.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %a, %w)
+}
+
+%cond (q: (u32[], bf16[64,128], bf16[128,256])) -> pred[] {
+  %q = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %eight = u32[] constant(8)
+  ROOT %lt = pred[] compare(%j, %eight), direction=LT
+}
+
+ENTRY %main (a: bf16[64,128], w: bf16[128,256]) -> (u32[], bf16[64,128], bf16[128,256]) {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %zero = u32[] constant(0)
+  %t = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %a, %w)
+  ROOT %while.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_whose_counter_steps_by_two_runs_half_as_many_times() -> None:
+    # The TPU compiler's windowed matmuls over an FSDP gather unroll their loop twice: the body
+    # holds two matmuls and adds 2 to its counter, and the condition says `counter < 8` with no
+    # stated trip count (seen on MaxText's 16B layer over v5e:4x4, where reading 8 iterations
+    # counted those matmuls twice). 4 iterations of 2 matmuls: 8 matmuls, not 16.
+    e = estimate_step(STEPPED, CHIP)
+    assert e.unknown_trip_counts == 0
+    assert e.flops == 8 * 2 * 64 * 256 * 128
+    assert e.instructions == 4 * 4  # each iteration: the two matmuls, the counter's copy and its add
+
+
 V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 MODEL = {"kind": "transformer", "layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 256, "batch": 16,
          "vocab": 256, "attention": "dense"}
