@@ -315,7 +315,9 @@ class _Workers:
                 hit.raw, budget=self.budget, repeats=spec.timing.repeats, anchored=spec.timing.anchor
             ):
                 m = judge(hit.raw, budget=self.budget, gradient_tolerance=spec.gradient_tolerance)  # as the worker would
-                if hit.study == spec.study and _plan_of(study, hit.trial) == plan.digest:
+                # this study's own earlier trial; not where a study of the same name was deleted
+                # and made again, and the cache's trial is this one
+                if hit.study == spec.study and hit.trial != trial.number and _plan_of(study, hit.trial) == plan.digest:
                     reused_from = hit.trial
                     trial.set_user_attr(REUSED_ATTR, reused_from)
                 else:

@@ -218,6 +218,18 @@ def test_plan_predicts_and_measures_on_request(tmp_path: Path, storage_url: str,
     assert nothing_fits.exit_code == 1 and "no plan is predicted to fit" in nothing_fits.stderr
 
 
+def test_a_study_made_again_under_its_name_takes_its_old_measurements_from_the_cache(storage_url: str) -> None:
+    # Deleted and made again (a benchmark run afresh, `optuna delete-study`): the cache's
+    # measurements name the old study's trials, which share the new trials' numbers. They are
+    # cache hits from that study, never a trial's reuse of itself.
+    spec = spec_dict(storage_url, space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, confirm={"top": 0})
+    remat_search.run(parse_spec(spec))
+    optuna.delete_study(study_name="tiny", storage=storage_url)
+    again = remat_search.run(parse_spec(spec))
+    assert [(t.reused_from, t.cached_from) for t in again.trials] == [(None, "tiny#0"), (None, "tiny#1")]
+    assert len(again.timed()) == 2
+
+
 @pytest.mark.parametrize("anchor", [True, False])
 def test_timing_against_the_anchor_cancels_a_busy_spell(tmp_path: Path, storage_url: str, anchor: bool) -> None:
     """`none` is timed while the machine is busy (+40 ms on every step), `full` (10 ms slower
