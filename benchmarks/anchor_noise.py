@@ -26,7 +26,7 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     raw: dict[str, list[float]] = {}
     ratio: dict[str, list[float]] = {}
-    for db in sorted(STUDIES.glob("*.db")):
+    for db in sorted(STUDIES.glob("*-0.??.db")):  # search_quality.py's: <method>-<budget>.db, a study each
         report = remat_search.load_report(db.stem, f"sqlite:///{db}")
         for t in report.trials:
             m = t.measurement
