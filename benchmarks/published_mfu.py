@@ -50,8 +50,7 @@ from remat_search.units import format_bytes
 HERE = Path(__file__).resolve().parent
 
 PUBLISHED_TFLOPS = 120.0
-"""TFLOP/s per chip, 16B on 1x v5e-256 (MaxText/configs/v5e/README.md)."""
-PUBLISHED_MFU = 0.6110
+"""TFLOP/s per chip, 16B on 1x v5e-256 (MaxText/configs/v5e/README.md, which gives 61.10% MFU)."""
 PEAK_TFLOPS = 197.0
 """v5e's bf16 peak, the one MaxText's MFU divides by (120 / 197 = 60.9%)."""
 SHAPE = {"layers": 32, "emb": 4096, "heads": 64, "head_dim": 128, "mlp": 28672, "seq": 2048, "vocab": 32000,

@@ -307,7 +307,7 @@ def _instruction_cost(module: _Module, computation: _Computation, ins: _Instruct
     if opcode in _FREE:
         return _Cost()
     if opcode == "while":
-        trip = _trip_count(module, computation, ins, called.get("condition", ""))
+        trip = _trip_count(module, computation, ins, called.get("condition", ""), called.get("body", ""))
         cost = _Cost(unknown_trips=0 if trip else 1)
         cost.add(_cost_of(module, called.get("body", ""), memo), trip or 1)
         return cost
@@ -399,12 +399,14 @@ def _collectives(computation: _Computation, instructions: list[_Instruction]) ->
     return found
 
 
-def _trip_count(module: _Module, computation: _Computation, loop: _Instruction, condition: str) -> int | None:
+def _trip_count(
+    module: _Module, computation: _Computation, loop: _Instruction, condition: str, body: str
+) -> int | None:
     """How many times ``loop`` runs its body: as the compiler states it, else read off a
-    condition ``counter < N`` (or ``<=``) and the counter's first value in the loop's operand."""
+    condition ``counter < N`` (or ``<=``), the counter's first value in the loop's operand and
+    what the ``body`` adds to it each iteration."""
     if stated := _TRIP.search(loop.attributes):
         return int(stated[1])
-    called = dict(_CALLED.findall(loop.attributes))
     cond = module.computations.get(condition)
     root = cond.instructions[-1] if cond and cond.instructions else None
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
@@ -422,7 +424,7 @@ def _trip_count(module: _Module, computation: _Computation, loop: _Instruction, 
         return None
     index = int(found[1]) if (found := re.search(r"index=(\d+)", a.attributes)) else 0
     init = _counter_start(computation, loop, index)
-    step = _counter_step(module.computations.get(called.get("body", "")), index)
+    step = _counter_step(module.computations.get(body), index)
     try:
         limit = int(b.arguments)
     except ValueError:
