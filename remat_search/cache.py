@@ -20,9 +20,16 @@ compiled to a program measured before is not run again (:func:`lookup_program`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import sqlalchemy as sa
@@ -138,6 +145,73 @@ def release(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: s
         connection.execute(claims.delete().where(
             claims.c.key == _claim_key(device, plan_digest), claims.c.study == study, claims.c.trial == trial,
         ))
+
+
+@contextlib.contextmanager
+def confirmation_claim(engine: sa.Engine, study: str, *, interval: float, grace: float) -> Iterator[str | None]:
+    """Claim ``study``'s confirmation while the block runs, so that the searches and workers
+    sharing a study confirm it once, not once each: yields None where this process holds it,
+    else who holds it (``host pid``), and the block should leave the confirmation to them.
+
+    The holder's row in ``remat_search_claims`` counts beats, one every ``interval`` seconds; a
+    holder whose count has not moved for ``grace`` seconds, as the waiting process's own
+    monotonic clock measures it, is dead and its claim is taken over. No two hosts' clocks are
+    compared."""
+    key = hashlib.sha256(f"confirm\0{study}".encode()).hexdigest()
+    me = f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex[:8]}"
+    holder = _take_confirmation(engine, key, me, interval=interval, grace=grace)
+    if holder is not None:
+        yield holder.rsplit(" ", 1)[0]
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            with contextlib.suppress(sa.exc.SQLAlchemyError), engine.begin() as connection:
+                connection.execute(
+                    claims.update().where(claims.c.key == key, claims.c.study == me).values(trial=claims.c.trial + 1)
+                )
+
+    beating = threading.Thread(target=beat, name="confirmation-heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield None
+    finally:
+        stop.set()
+        beating.join()
+        with engine.begin() as connection:
+            connection.execute(claims.delete().where(claims.c.key == key, claims.c.study == me))
+
+
+def _take_confirmation(engine: sa.Engine, key: str, me: str, *, interval: float, grace: float) -> str | None:
+    """Take the confirmation claim ``key`` for ``me``: None once it is ours, else its live holder."""
+    try:
+        with engine.begin() as connection:
+            connection.execute(claims.insert().values(key=key, study=me, trial=0))
+        return None
+    except sa.exc.IntegrityError:
+        pass
+    seen = _holder(engine, key)
+    deadline = time.monotonic() + grace
+    while seen is not None and time.monotonic() < deadline:
+        time.sleep(min(interval / 4, max(0.0, deadline - time.monotonic())))
+        now = _holder(engine, key)
+        if now != seen:  # it beat (alive) or let go (done): either way, theirs to finish
+            return (now or seen)[0]
+    if seen is None:  # let go before we looked: take it afresh
+        return _take_confirmation(engine, key, me, interval=interval, grace=grace)
+    with engine.begin() as connection:  # silent for `grace`: dead; take it over, unless another just did
+        taken = connection.execute(
+            claims.update().where(claims.c.key == key, claims.c.study == seen[0], claims.c.trial == seen[1])
+            .values(study=me, trial=seen[1] + 1)
+        ).rowcount
+    return None if taken == 1 else seen[0]
+
+
+def _holder(engine: sa.Engine, key: str) -> tuple[str, int] | None:
+    with engine.connect() as connection:
+        row = connection.execute(sa.select(claims.c.study, claims.c.trial).where(claims.c.key == key)).first()
+    return (row.study, row.trial) if row is not None else None
 
 
 def _claim_key(device: DeviceInfo, plan_digest: str) -> str:

@@ -179,7 +179,8 @@ def run(
     Every candidate is compiled; one over the budget is recorded and never run; one that
     fits is run, its first step checked against full remat's, and its step timed. The uniform
     presets go first, then the planner's predicted-best plans (sampler: planner), and the
-    fastest plans that fit are re-timed interleaved at the end (confirm: {top, rounds}).
+    fastest plans that fit are re-timed interleaved at the end, racing until the plan that
+    ranks first at the budget was re-timed (confirm: {top, rounds, races}).
     A plan measured before for this workload and device, in any study, is not compiled
     again (unless it was only compiled, over an earlier budget, and now fits).
 
@@ -187,6 +188,7 @@ def run(
     (--storage): each measures plans the others are not measuring, and a trial whose host
     died is taken back after the heartbeat's grace period.
     """
+    from remat_search.results import rank
     from remat_search.spec import load_spec
 
     loaded = load_spec(spec, storage=storage, workers=_workers(workers))
@@ -207,7 +209,7 @@ def run(
         )
         raise typer.Exit(130) from None
     output.console.print(output.front_table(report.study, report.budget, report.front))
-    confirmed = sorted((t for t in report.trials if t.confirmed), key=lambda t: (t.seconds, t.number))
+    confirmed = sorted((t for t in report.timed() if t.confirmed), key=rank)
     if confirmed:
         output.console.print(output.confirmed_table(report, confirmed))
     screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)
@@ -448,6 +450,7 @@ def best(
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
     from remat_search.export import FORMATS, export
+    from remat_search.results import settlement
     from remat_search.stored import open_study
 
     if form != "table" and form not in FORMATS:
@@ -457,12 +460,15 @@ def best(
     with open_study(_study(study), storage) as stored:
         found = stored.best(limit)
         untimed = stored.untimed_within(limit)
+    note = output.answer_note(found, limit, settlement(stored.attrs), stored.name)
     if form != "table":
         assert found.plan is not None
         print(export(found.plan, form))  # type: ignore[arg-type]
     else:
         output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
         output.console.print(output.describe_trial(found))
+    if note:
+        output.errors.print(note, markup=False, highlight=False, soft_wrap=True)
     if untimed:
         output.errors.print(
             f"note: {len(untimed)} plan(s) fit {format_bytes(limit)} but were never timed, being over the "
@@ -512,14 +518,22 @@ def confirm(
     presets: Annotated[
         bool, typer.Option(help="Also re-time every uniform plan (preset) that fits, as baselines.")
     ] = True,
+    races: Annotated[int, typer.Option(
+        min=0, metavar="N",
+        help="Race at most N times: while a plan not re-timed ranks first by its search time, re-time it with "
+             "the others in a new session.",
+    )] = 10,
     storage: StorageOption = None,
 ) -> None:
     """Re-time the fastest plans that fit, interleaved, and rank them by those medians.
 
     Timings on a shared machine drift; interleaving puts every plan through the same slow
-    spells. The times are stored in the study and `best` ranks by them from then on. Each
-    plan is set against the fastest, paired round by round with a 95% interval; ≈ marks
-    those the timing cannot tell from it.
+    spells. The times are stored in the study and `best` ranks by them from then on. Re-timed
+    plans tend to come back slower than the search's single times saw them, so it races: while
+    a plan it did not re-time ranks first at the budget, that plan is re-timed with the others
+    (at most --races times), so `best` at this budget answers with a re-timed plan. Each plan
+    is set against the fastest, paired round by round with a 95% interval; ≈ marks those the
+    timing cannot tell from it.
     """
     from remat_search.confirm import confirm_study
 
@@ -527,7 +541,7 @@ def confirm(
     limit = _budget(budget) if budget is not None else None
     with _notes():
         report, confirmed = confirm_study(
-            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, storage=storage,
+            _study(study), budget=limit, top=top, rounds=rounds, presets=presets, races=races, storage=storage,
             on_progress=lambda p: _print(*output.progress_lines(p, study)),
         )
     if not confirmed:

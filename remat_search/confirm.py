@@ -18,12 +18,23 @@ from collections.abc import Sequence
 import optuna
 from pydantic import BaseModel, ConfigDict
 
+from remat_search import cache
 from remat_search.errors import NoFeasiblePlan, RunError, SpecError
 from remat_search.executables import anchor_plan
 from remat_search.plan import RematPlan
-from remat_search.results import Confirmed, StudyReport, TrialResult, load_confirmations, study_report
+from remat_search.results import (
+    Confirmed,
+    Settlement,
+    StudyReport,
+    TrialResult,
+    load_confirmations,
+    rank,
+    settlement,
+    study_report,
+)
 from remat_search.runner import Runner
-from remat_search.store import ANCHOR_ATTR, CONFIRMATION_ATTR, load_study, open_storage, translate_errors
+from remat_search.spec import HeartbeatConfig
+from remat_search.store import ANCHOR_ATTR, CONFIRMATION_ATTR, SETTLED_ATTR, load_study, open_storage, translate_errors
 from remat_search.study import Progress, ProgressCallback, resolve_budget, runner_for, spec_of_study
 
 
@@ -112,33 +123,105 @@ def _is_preset(plan: RematPlan | None) -> bool:
     return plan is not None and plan.layout == "flat" and plan.is_uniform
 
 
+RACES = 10
+"""How many new leaders one confirmation re-times at most (``confirm.races``)."""
+
+
 def confirm(
-    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int, presets: bool = True,
+    study: optuna.Study, runner: Runner, *, storage: optuna.storages.RDBStorage, budget: int, top: int, rounds: int,
+    warmup: int, presets: bool = True, races: int = RACES, heartbeat: HeartbeatConfig = HeartbeatConfig(),
     on_progress: ProgressCallback | None = None,
 ) -> StudyReport:
-    """Re-time the ``top`` fastest plans fitting ``budget`` interleaved (with ``presets``, and
-    every uniform plan that fits: see :func:`candidates`); store and return the report.
+    """Confirm ``study`` at ``budget``: re-time its ``top`` fastest plans fitting ``budget``
+    interleaved (with ``presets``, and every uniform plan that fits: see :func:`candidates`),
+    then race: while the plan that ranks first (:func:`results.rank`) at this budget, or at a
+    budget an earlier confirmation settled, was not re-timed in the session, re-time it with
+    all the others in a new session, at most ``races`` times. Store and return the report.
 
-    Only the latest session is kept: its plans rank among themselves by these medians (see
-    :meth:`StudyReport.best`). Plans already confirmed together with at least ``rounds``
-    rounds are not re-timed (re-running a finished search costs nothing). Fewer than two
-    plans that fit: nothing to order, nothing re-timed. ``on_progress`` hears ``confirm``
-    before the re-timing and ``confirmed`` after it, or ``confirmed`` (reused) instead.
+    Why race: the fastest of many single noisy search times is biased low (the winner's curse),
+    so re-timed plans tend to come back slower than the search saw them, and the next plan, by
+    its one search time, would then be the answer without ever being re-timed. Only the latest
+    session is kept, holding every plan an earlier one re-timed, so that the budgets settled
+    before stay settled; the :class:`~remat_search.results.Settlement` records the budgets and
+    those where ``races`` ran out first. A stored session that already settles ``budget`` with
+    at least ``rounds`` rounds is kept as it is (re-running a finished search costs nothing).
+    Fewer than two plans that fit: nothing to order, nothing re-timed.
+
+    The searches and workers sharing the study confirm it once: the first to get here claims
+    the confirmation in ``storage`` (:func:`cache.confirmation_claim`, alive by ``heartbeat``),
+    and the others leave it to it. ``on_progress`` hears ``confirm`` before each session, then
+    ``confirmed`` (with ``reused`` where nothing was re-timed, ``exhausted`` where the race
+    budget ran out), or ``confirm_elsewhere`` (``holder``) where another process holds it.
     """
     tell = on_progress or (lambda _: None)
+    with cache.confirmation_claim(
+        storage.engine, study.study_name, interval=heartbeat.interval, grace=heartbeat.grace
+    ) as holder:
+        if holder is not None:
+            tell(Progress(event="confirm_elsewhere", holder=holder))
+            return study_report(study)
+        return _race(study, runner, budget=budget, top=top, rounds=rounds, warmup=warmup, presets=presets,
+                     races=races, tell=tell)
+
+
+def _race(
+    study: optuna.Study, runner: Runner, *, budget: int, top: int, rounds: int, warmup: int, presets: bool,
+    races: int, tell: ProgressCallback,
+) -> StudyReport:
+    """:func:`confirm`, with the study's confirmation claimed."""
     report = study_report(study)
     chosen = candidates(report, budget, top, presets=presets)
     if len(chosen) < 2:
         return report  # nothing to order
     done = load_confirmations(study)
+    before = settlement(study.user_attrs)
+    budgets = sorted({*before.budgets, budget})
+    numbers = {t.number for t in chosen}
+    kept = [t for t in report.timed() if t.number in done and t.number not in numbers]  # an earlier session's
+    plans = [*chosen, *kept]
     sessions = {done[t.number].session for t in chosen if t.number in done}
-    if len(sessions) == 1 and all(t.number in done and done[t.number].rounds >= rounds for t in chosen):
+    if (
+        budget in before.budgets and len(sessions) == 1 and all(t.number in done and done[t.number].rounds >= rounds for t in chosen)
+    ):
         stored = min(done[t.number].rounds for t in chosen)
-        tell(Progress(event="confirmed", plans=len(chosen), rounds=stored, reused=True))
+        tell(Progress(event="confirmed", plans=len(done), rounds=stored, reused=True))
         return report
-    tell(Progress(event="confirm", plans=len(chosen), rounds=rounds))
+    largest = max(budgets)  # every plan re-timed ran in the search, within the study's budget
+    anchor = _session_anchor(study, report, largest)
+    for race in range(races + 1):
+        tell(Progress(event="confirm", plans=len(plans), rounds=rounds, race=race))
+        session = _retime(study, runner, plans, anchor, budget=largest, rounds=rounds, warmup=warmup)
+        report = study_report(study)
+        leaders = {leader.number: leader for b in budgets if (leader := _leader(report, b)) is not None}
+        new = [t for t in leaders.values() if t.confirmed is None]
+        if not new:
+            break
+        if race == races:  # out of races: these budgets' answers were timed by the search only
+            exhausted = tuple(b for b in budgets if (leader := _leader(report, b)) and leader.confirmed is None)
+            study.set_user_attr(SETTLED_ATTR, Settlement(budgets=tuple(budgets), exhausted=exhausted, session=session).model_dump())
+            tell(Progress(event="confirmed", plans=len(plans), rounds=rounds, race=race, exhausted=True))
+            return study_report(study)
+        plans += new
+    study.set_user_attr(SETTLED_ATTR, Settlement(budgets=tuple(budgets), session=session).model_dump())
+    tell(Progress(event="confirmed", plans=len(plans), rounds=rounds, race=race))
+    return study_report(study)
+
+
+def _leader(report: StudyReport, budget: int) -> TrialResult | None:
+    """The plan that ranks first at ``budget``, or None where no timed plan fits it."""
+    try:
+        return report.best(budget)
+    except NoFeasiblePlan:
+        return None
+
+
+def _retime(
+    study: optuna.Study, runner: Runner, chosen: list[TrialResult], anchor: RematPlan | None, *,
+    budget: int, rounds: int, warmup: int,
+) -> str:
+    """Re-time ``chosen`` (and ``anchor``, where given) interleaved in one session and store it
+    as the study's confirmation, replacing the one before; return the session's time stamp."""
     plans = [t.plan for t in chosen]
-    anchor = _session_anchor(study, report, budget)
     if anchor is not None and anchor not in plans:
         plans.append(anchor)  # timed in the session, so the confirmed times are in the study's units
     times = runner.retime(plans, warmup=warmup, rounds=rounds, budget=budget)
@@ -152,18 +235,17 @@ def confirm(
         str(t.number): Confirmed(times=seconds, rounds=rounds, session=session, anchor_times=anchor_times).model_dump()
         for t, seconds in zip(chosen, times[: len(chosen)], strict=True)
     })
-    tell(Progress(event="confirmed", plans=len(chosen), rounds=rounds))
-    return study_report(study)
+    return session
 
 
 def confirm_study(
     study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, presets: bool = True,
-    storage: str | None = None, on_progress: ProgressCallback | None = None,
+    races: int = RACES, storage: str | None = None, on_progress: ProgressCallback | None = None,
 ) -> tuple[StudyReport, list[TrialResult]]:
-    """Confirm ``study_name``'s ``top`` plans (and, with ``presets``, its uniform plans) under
-    ``budget`` (default: the study's) on this machine, as its last search measured them;
-    return the report and the plans of this session that fit, fastest first (none when
-    fewer than two plans fit). ``on_progress``: see :func:`confirm`."""
+    """Confirm ``study_name`` under ``budget`` (default: the study's) on this machine, as its
+    last search measured it, racing as :func:`confirm` does; return the report and the plans
+    of the session that fit ``budget``, fastest first by :func:`results.rank` (none when fewer
+    than two plans fit). ``on_progress``: see :func:`confirm`."""
     opened = open_storage(storage)
     study = load_study(study_name, opened)
     with translate_errors(opened.url):
@@ -177,11 +259,10 @@ def confirm_study(
             )
         limit = resolve_budget(budget if budget is not None else spec.budget, device)
         report = confirm(
-            study, runner, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup, presets=presets,
-            on_progress=on_progress,
+            study, runner, storage=opened, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup,
+            presets=presets, races=races, heartbeat=spec.heartbeat, on_progress=on_progress,
         )
-    chosen = {t.number for t in candidates(report, limit, top, presets=presets)}
-    confirmed = [t for t in report.trials if t.number in chosen and t.confirmed]
+    confirmed = [t for t in report.timed() if t.confirmed and t.peak_bytes is not None and t.peak_bytes <= limit]
     if len(confirmed) < 2:
         return report, []
-    return report, sorted(confirmed, key=lambda t: (t.seconds, t.number))
+    return report, sorted(confirmed, key=rank)

@@ -11,14 +11,14 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from remat_search.units import format_bytes, format_duration, format_seconds
+from remat_search.units import format_bytes, format_duration, format_seconds, size_argument
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
     from remat_search.doctor import Check
     from remat_search.measurement import RawMeasurement
     from remat_search.planner import Advice
     from remat_search.report import StudySummary
-    from remat_search.results import StudyReport, TrialResult
+    from remat_search.results import Settlement, StudyReport, TrialResult
     from remat_search.study import Progress
 
 console = Console()
@@ -236,12 +236,42 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
                 "stored ones (raise trials to search further)"
             )
         return lines
+    if p.event == "confirm" and p.race:
+        return [
+            f"race {p.race}: a plan the last session did not re-time ranks first by its search time; re-timing it "
+            f"with the others: {p.plans} plans × {p.rounds} rounds…"
+        ]
     if p.event == "confirm":
         return [f"confirming {p.plans} plans × {p.rounds} rounds, interleaved in one worker…"]
     if p.event == "confirmed" and p.reused:
         reused = f"confirmation: these {p.plans} plans were re-timed together before ({p.rounds} rounds): their "
         return [reused + "stored times stand, nothing was re-timed"]
+    if p.event == "confirmed" and p.exhausted:
+        return [
+            f"confirmation: the race budget ran out ({p.race} races, confirm.races): the plan that ranks first "
+            "was timed by the search only, and `best` says so; `remat-search confirm` races again"
+        ]
+    if p.event == "confirm_elsewhere":
+        return [f"confirmation: {p.holder} is confirming this study; its re-timed plans are stored for every reader"]
     return []
+
+
+def answer_note(t: TrialResult, budget: int, settled: Settlement, study: str) -> str | None:
+    """What ``best`` adds about where its answer's time comes from, unless it is a confirmed
+    plan of a budget the latest confirmation settled: that it was never re-timed, or that the
+    confirmation's races ran out at this budget."""
+    if t.time_source != "search":
+        return None
+    again = f"remat-search confirm --study {study} --budget {size_argument(budget)}"
+    if budget in settled.exhausted:
+        return (
+            f"note: not re-timed: the confirmation's race budget ran out at {format_bytes(budget)} with this plan "
+            f"first by its one search time (biased low among many); `{again} --races N` races further"
+        )
+    return (
+        f"note: not re-timed: its time is the search's single measurement, and the fastest of many noisy times "
+        f"is biased low; `{again}` re-times it against the others until the plan that ranks first was re-timed"
+    )
 
 
 def trial_line(t: TrialResult, done: int, total: int) -> str:

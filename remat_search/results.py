@@ -27,6 +27,7 @@ from remat_search.store import (
     PREDICTION_ATTR,
     REUSED_ATTR,
     SAME_PROGRAM_ATTR,
+    SETTLED_ATTR,
     TrialStatus,
 )
 from remat_search.units import format_bytes
@@ -80,6 +81,26 @@ def confirmations(study_attrs: Mapping[str, Any]) -> dict[int, Confirmed]:
     """The confirmed times among a study's user attributes, by trial number."""
     stored = study_attrs.get(CONFIRMATION_ATTR, {})
     return {int(number): Confirmed.model_validate(c) for number, c in stored.items()}
+
+
+class Settlement(BaseModel):
+    """What the latest confirmation settled (see ``confirm.confirm``).
+
+    ``budgets``: the budgets whose fastest plan it raced until that plan was re-timed in the
+    session (the study's budget, and any ``confirm --budget``); ``exhausted``: those of them
+    where its race budget (``confirm.races``) ran out first, so their answer is a plan timed
+    only by the search."""
+
+    model_config = ConfigDict(frozen=True)
+
+    budgets: tuple[int, ...] = ()
+    exhausted: tuple[int, ...] = ()
+    session: str = ""
+
+
+def settlement(study_attrs: Mapping[str, Any]) -> Settlement:
+    """The latest confirmation's settlement among a study's user attributes (empty if none)."""
+    return Settlement.model_validate(study_attrs.get(SETTLED_ATTR, {}))
 
 
 class TrialResult(BaseModel):
@@ -234,12 +255,11 @@ class StudyReport(BaseModel):
         return out
 
     def best(self, budget: int) -> TrialResult:
-        """The fastest timed plan whose peak fits ``budget``, by each plan's one time
-        (:attr:`TrialResult.seconds`: confirmed where re-timed); else :class:`NoFeasiblePlan`.
-        It is the fastest plan of :attr:`front` that fits."""
+        """The fastest timed plan whose peak fits ``budget``, by :func:`rank`; else
+        :class:`NoFeasiblePlan`. It is the fastest plan of :attr:`front` that fits."""
         fitting = [t for t in self.timed() if t.peak_bytes is not None and t.peak_bytes <= budget]
         if fitting:
-            return min(fitting, key=lambda t: (t.seconds, t.peak_bytes, t.number))
+            return min(fitting, key=rank)
         peaks = [t for t in self.trials if t.peak_bytes is not None and t.measurement and t.measurement.compiled]
         if not peaks:
             raise NoFeasiblePlan(f"budget: study {self.study!r} has no measured plan yet")
@@ -279,6 +299,19 @@ def make_report(study: str, study_attrs: Mapping[str, Any], trials: Iterable[Tri
         front=(),
     )
     return report.model_copy(update={"front": tuple(pareto(report.timed()))})
+
+
+def rank(t: TrialResult) -> tuple[float, int, int]:
+    """The one order of timed plans, which every reader of a study ranks by (``best``, the
+    front's fastest, ``studies``, the page, the plot's star): each plan's one time
+    (:attr:`TrialResult.seconds`), then its peak, then its trial number.
+
+    A plan's one time is its confirmed time where the latest confirmation re-timed it, else the
+    search's: the two are mixed in this order, in the study's anchor seconds, and every answer
+    says which it is (:attr:`TrialResult.time_source`). Where a confirmation settled a budget
+    (:class:`Settlement`), it re-timed plans until the first in this order was a re-timed one,
+    so the answer there is confirmed unless its race budget ran out, which is said too."""
+    return (t.seconds, t.peak_bytes, t.number)  # type: ignore[return-value]
 
 
 class Point(Protocol):

@@ -124,8 +124,9 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         if spec.confirm.top and device.executes:
             try:
                 return confirm(
-                    study, runners[0], budget=budget, top=spec.confirm.top, rounds=spec.confirm.rounds,
-                    warmup=spec.timing.warmup, presets=spec.confirm.presets, on_progress=on_progress,
+                    study, runners[0], storage=storage, budget=budget, top=spec.confirm.top,
+                    rounds=spec.confirm.rounds, warmup=spec.timing.warmup, presets=spec.confirm.presets,
+                    races=spec.confirm.races, heartbeat=spec.heartbeat, on_progress=on_progress,
                 )
             except NoFeasiblePlan:
                 pass  # nothing ran within the budget: nothing to confirm

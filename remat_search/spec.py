@@ -414,7 +414,8 @@ class TimingConfig(_Frozen):
 
 class ConfirmConfig(_Frozen):
     """How a search ends: its ``top`` fastest plans that fit, re-timed interleaved ``rounds``
-    times (``top: 0`` skips it; compile-only targets never run it)."""
+    times, racing until the plan that ranks first at the budget is one of them (``top: 0``
+    skips it; compile-only targets never run it)."""
 
     top: NonNegativeInt = 3
     rounds: PositiveInt = 10
@@ -422,6 +423,11 @@ class ConfirmConfig(_Frozen):
     """Re-time every uniform plan that fits beside them: the plans people pick by hand, so
     the answer is one no preset beats side by side, even where the search's own timing of a
     preset was unlucky."""
+    races: NonNegativeInt = 10
+    """The confirmation's budget of races: where a plan the session did not re-time ranks first
+    by its search time (the fastest of many noisy times is biased low), it is re-timed with the
+    others in a new session, at most ``races`` times; then the answer may be a plan timed only
+    by the search, and ``run``, ``best`` and ``confirm`` say so."""
 
     @field_validator("top")
     @classmethod

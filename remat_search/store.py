@@ -53,6 +53,9 @@ worker needs to measure it (``submission.spec_of_submitted``)."""
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"
+SETTLED_ATTR = "confirmation_settled"
+"""What the latest confirmation raced to a confirmed answer: the budgets it settled, those where
+its race budget ran out first (``results.Settlement``)."""
 ANCHOR_ATTR = "anchor_seconds"
 """The study's reference time of the anchor plan, in which its anchored step times are stated."""
 

@@ -34,6 +34,7 @@ from remat_search.results import (
     make_report,
     needs_params,
     pareto,
+    rank,
     result_of,
 )
 from remat_search.store import FAILURE_ATTR, INTERRUPTED, Reader, no_such_study, read_only, resolve_url
@@ -131,7 +132,7 @@ class StoredStudy:
         try:
             return self._best(budget)
         except _Inconsistent:
-            return min((t for t in self.report().timed() if _fits(t, budget)), key=_rank, default=None)
+            return min((t for t in self.report().timed() if _fits(t, budget)), key=rank, default=None)
 
     def front(self) -> list[TrialResult]:
         """:attr:`StudyReport.front`, reading only the trials on it (and those they replace)."""
@@ -173,10 +174,10 @@ class StoredStudy:
             for p in points:  # fastest first: the first timed one is the fastest unconfirmed plan
                 if p.trial_id in timed:
                     stream.close()
-                    return min([_consistent(timed[p.trial_id], p), *rivals], key=_rank)
+                    return min([_consistent(timed[p.trial_id], p), *rivals], key=rank)
         if rivals is None:
             rivals = [t for t in self._timed(confirmed).values() if _fits(t, budget)]
-        return min(rivals, key=_rank, default=None)
+        return min(rivals, key=rank, default=None)
 
     def _front(self) -> list[TrialResult]:
         confirmed = self._confirmed()
@@ -365,11 +366,6 @@ def _measured(t: TrialResult) -> bool:
 
 def _fits(t: TrialResult, budget: int | None) -> bool:
     return t.peak_bytes is not None and (budget is None or t.peak_bytes <= budget)
-
-
-def _rank(t: TrialResult) -> tuple[float, int, int]:
-    """:meth:`StudyReport.best`'s order: one time, peak, trial number."""
-    return (t.seconds, t.peak_bytes, t.number)  # type: ignore[return-value]
 
 
 def _consistent(t: TrialResult, p: _Point) -> TrialResult:

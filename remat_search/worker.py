@@ -132,5 +132,12 @@ def _progress(study: str, p: Progress, tell: EventCallback) -> None:
         tell({"event": "measuring", "study": study, "trial": p.trial.number, "plan": p.trial.summary()})
     elif p.event == "result" and p.trial is not None:
         tell(trial_event(study, p.trial, p.done, p.total))
+    elif p.event == "confirm":
+        tell({"event": "confirm", "study": study, "plans": p.plans, "rounds": p.rounds, "race": p.race})
     elif p.event == "confirmed":
-        tell({"event": "confirmed", "study": study, "plans": p.plans, "rounds": p.rounds, "reused": p.reused})
+        tell({
+            "event": "confirmed", "study": study, "plans": p.plans, "rounds": p.rounds, "reused": p.reused,
+            "races": p.race, "exhausted": p.exhausted,
+        })
+    elif p.event == "confirm_elsewhere":
+        tell({"event": "confirm_elsewhere", "study": study, "holder": p.holder})
