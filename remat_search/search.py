@@ -80,7 +80,14 @@ from remat_search.study import (
     runner_for,
     spec_of_study,
 )
-from remat_search.submission import check, check_identity, load_or_create, prepare, resumed_as_stored
+from remat_search.submission import (
+    check,
+    check_identity,
+    load_or_create,
+    prepare,
+    refuse_another_identity,
+    resumed_as_stored,
+)
 from remat_search.units import format_bytes
 
 logger = logging.getLogger("remat_search")
@@ -100,6 +107,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     tell = on_progress or (lambda _: None)
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     spec = resumed_as_stored(spec)  # an older spec resumes its study as it was searched
+    refuse_another_identity(spec)  # before any work: no worker started, nothing compiled or written
     space = check(spec)
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
