@@ -9,6 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
+from optuna.trial import TrialState
+
+from remat_search.store import open_storage
+
 from .conftest import REPO
 
 HOLD = """
@@ -51,3 +56,75 @@ def test_two_processes_sharing_only_the_storage_home_hold_the_device_one_at_a_ti
     assert len(events) == 60
     for entered, left in zip(events[::2], events[1::2], strict=True):  # each "in" followed by its own "out"
         assert entered[0] == "in" and left == ("out", entered[1]), events
+
+
+HOST = """
+import datetime, sys, time
+import optuna
+import optuna.storages._rdb.storage as rdb
+from remat_search.liveness import admitted, ask, heartbeat_storage_options, recover
+from remat_search.spec import HeartbeatConfig
+from remat_search.store import open_storage
+
+class Clock(datetime.datetime):  # this host's clock: off by SKEW hours (optuna stamps trials with it)
+    @classmethod
+    def now(cls, tz=None):
+        return datetime.datetime.now(tz) + datetime.timedelta(hours=float(sys.argv[3]))
+
+rdb.datetime = Clock
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+url, what = sys.argv[1], sys.argv[2]
+storage = open_storage(url, heartbeat=heartbeat_storage_options(HeartbeatConfig(interval=60, grace=120), 1))
+study = optuna.load_study(study_name="s", storage=storage)
+if what == "recover":
+    recover(study, storage, n_params=1)
+    sys.exit(0)
+trial = ask(study)
+trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name("s"), trial.number)
+if what == "admit":
+    storage.record_heartbeat(trial_id)
+    print(admitted(study, storage, trial_id, trials=1), flush=True)
+else:  # "hold": asked for, alive, not beaten yet (a search between optuna's ask and its first write)
+    print("asked", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _host(url: str, what: str, *, tz: str, skew_hours: float = 0.0, **kwargs: object) -> subprocess.Popen[str]:
+    """A process standing for a host in time zone ``tz`` whose clock is ``skew_hours`` off."""
+    env = {**os.environ, "TZ": tz, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", HOST, url, what, str(skew_hours)], env=env, text=True, stdout=subprocess.PIPE, **kwargs
+    )
+
+
+def _study(url: str) -> optuna.Study:
+    return optuna.create_study(study_name="s", storage=open_storage(url, create=True), directions=["minimize"] * 2)
+
+
+def test_a_trial_just_asked_for_on_a_host_with_another_clock_and_time_zone_is_not_taken_for_dead(
+    storage_url: str,
+) -> None:
+    """Host A (UTC+9, its clock an hour behind) has asked for a trial and not yet marked it; host
+    B (UTC−5) looks for dead trials: A's trial is alive, whatever A's clock said when it asked."""
+    study = _study(storage_url)
+    a = _host(storage_url, "hold", tz="Asia/Tokyo", skew_hours=-1, stdin=subprocess.PIPE)
+    try:
+        assert a.stdout is not None and a.stdout.readline() == "asked\n"
+        b = _host(storage_url, "recover", tz="America/New_York")
+        b.communicate(timeout=120)
+        assert b.returncode == 0
+        assert [t.state for t in study.get_trials()] == [TrialState.RUNNING]
+    finally:
+        a.kill()
+        a.communicate()
+
+
+def test_admission_follows_the_database_not_the_hosts_clocks(storage_url: str) -> None:
+    """One trial to go: host B (UTC−5) asks first and is admitted; host A (UTC+9, its clock an
+    hour behind, so its trial looks older) asks next and is refused: no study ends with more."""
+    _study(storage_url)
+    first = _host(storage_url, "admit", tz="America/New_York")
+    assert first.communicate(timeout=120)[0] == "True\n"
+    second = _host(storage_url, "admit", tz="Asia/Tokyo", skew_hours=-1)
+    assert second.communicate(timeout=120)[0] == "False\n"

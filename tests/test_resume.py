@@ -11,7 +11,7 @@ import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from remat_search import StorageError
-from remat_search.store import FAILURE_ATTR, INTERRUPTED, PLAN_ATTR, open_storage
+from remat_search.store import FAILURE_ATTR, INTERRUPTED, PID_ATTR, PLAN_ATTR, open_storage
 
 from .conftest import run_process, spec_dict, write_spec
 
@@ -47,6 +47,11 @@ def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storag
     resumed = run_process("run", str(spec))
     log = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, log
+    taken = running[0]  # the take-over is said, naming the trial and the process that died
+    assert (
+        f"note: trial {taken.number} of study 'tiny' was measured by process {taken.user_attrs[PID_ATTR]} of this "
+        "host, which is gone: failed as interrupted, and its plan queued again"
+    ) in log.splitlines(), log
 
     after = _trials(storage_url)
     states = [t.state for t in after]
