@@ -3,7 +3,8 @@
 A measurement depends on the workload (its shapes' fingerprint and its step's jaxpr, so an
 edit to the model's code is a new workload), the plan (its digest), where it
 was compiled (target and mesh), the device kind, the JAX version, the compiler options
-(XLA flags included), libtpu's version for TPU (the compiler) and what a measurement means
+(XLA flags included), the compiler's packages (jaxlib; libtpu for TPU, the CUDA plugin for
+GPU: :func:`runner.compiler_packages`) and what a measurement means
 (:data:`~remat_search.measurement.MEASUREMENT_SCHEMA`) — that tuple is the key of our own
 table, ``remat_search_measurements``,
 in the same database as optuna's tables. It keeps raw measurements only (what the compiler
@@ -90,6 +91,7 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     }, sort_keys=True)
     compiler = json.dumps({
         "options": device.compiler_options, "libtpu": device.compiler_version, "schema": device.measurement_schema,
+        "packages": device.compiler_packages,
     }, sort_keys=True)
     return {
         "workload": device.workload_fingerprint,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import socket
 from pathlib import Path
 from typing import Literal
 
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.cache import measurements
 from remat_search.errors import StorageError
-from remat_search.liveness import orphaned
+from remat_search.liveness import host_name, orphaned
 from remat_search.runner import Runner
 from remat_search.spec import HeartbeatConfig, MlpConfig
 from remat_search.store import (
@@ -198,8 +197,8 @@ def _stale_check(storage: optuna.storages.RDBStorage, study: str | None) -> Chec
             for trial in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
                 where = f"{name}#{trial.number}"
                 host = trial.user_attrs.get(HOST_ATTR)
-                if host is None or host == socket.gethostname():
-                    if orphaned(trial, grace=HEARTBEAT_GRACE_SECONDS):
+                if host == host_name():
+                    if orphaned(trial):
                         stale.append(f"{where} (pid {trial.user_attrs.get(PID_ATTR, '?')} gone)")
                     else:
                         alive += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -82,6 +83,10 @@ class DeviceInfo(BaseModel):
     """The options and XLA flags plans are compiled with: part of the measurement cache key."""
     compiler_version: str | None = None
     """libtpu's version where plans are compiled for TPU (it is the compiler): part of the key."""
+    compiler_packages: str = ""
+    """The versions of the packages that compile plans here (:func:`compiler_packages`): part of
+    the measurement cache's key and of the saved reference's; "" where a study stored its device
+    before the field existed."""
     measurement_schema: int = 0
     """:data:`measurement.MEASUREMENT_SCHEMA` of the worker: what its measurements mean (part
     of the key; 0 where a study stored its device before the field existed)."""
@@ -98,6 +103,38 @@ class DeviceInfo(BaseModel):
     workload_note: str | None = None
     """What the workload chose for this target that its spec left open, in a line
     (:meth:`Workload.note`: ``attention: auto → flash (Pallas TPU kernel)``); None if nothing."""
+
+
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
+"""The packages that compile and run plans on NVIDIA GPUs (XLA:GPU and its PJRT plugin)."""
+
+
+def compiler_packages(platform: str) -> str:
+    """The versions of what compiles plans for ``platform`` here, as ``name version`` pairs:
+    jaxlib (XLA, whose CPU compiler it carries), libtpu for TPU, the CUDA plugin for GPU, each
+    where installed. A measurement or reference made with other versions is not reused."""
+    names = ["jaxlib", *{"tpu": ("libtpu",), "gpu": CUDA_PLUGINS}.get(platform, ())]
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def reference_parts(info: DeviceInfo, layers: int) -> dict[str, Any]:
+    """What a study's saved reference first step depends on (:func:`artifacts.reference_key`):
+    the device and mesh, the state's shardings over it, the workload's shapes and program, the
+    compiler, the anchor plan and the input seed."""
+    return {
+        **info.model_dump(include={
+            "target", "platform", "device_kind", "device_count", "mesh", "shardings", "sharding_digest",
+            "jax_version", "workload_fingerprint", "program_fingerprint", "compiler_options", "compiler_version",
+            "compiler_packages",
+        }),
+        "anchor": anchor_plan(layers).digest, "input_seed": INPUT_SEED,
+    }
 
 
 class Runner:
@@ -361,6 +398,7 @@ def _serve(
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
             compiler_version=target.compiler_version(),
+            compiler_packages=compiler_packages(target.platform),
             measurement_schema=MEASUREMENT_SCHEMA,
         )
     except (SpecError, WorkloadError) as e:  # the spec's mesh or the model's partitioning, found with the mesh
@@ -373,13 +411,7 @@ def _serve(
         conn.send(("error", _failure(e, line=False)))
         return
     conn.send(("ready", info.model_dump_json()))
-    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key({
-        **info.model_dump(include={
-            "platform", "device_kind", "device_count", "mesh", "jax_version", "workload_fingerprint",
-            "program_fingerprint", "compiler_options", "compiler_version",
-        }),
-        "anchor": anchor_plan(workload.layers).digest, "input_seed": INPUT_SEED,
-    }))
+    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
     executables = Executables(workload, target=target, mesh=mesh, reference_store=store)
     while True:

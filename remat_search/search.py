@@ -26,6 +26,7 @@ from remat_search.confirm import confirm
 from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
 from remat_search.liveness import (
     Heartbeats,
+    admitted,
     ask,
     counts,
     enqueue,
@@ -80,7 +81,14 @@ from remat_search.study import (
     runner_for,
     spec_of_study,
 )
-from remat_search.submission import check, check_identity, load_or_create, prepare, resumed_as_stored
+from remat_search.submission import (
+    check,
+    check_identity,
+    load_or_create,
+    prepare,
+    refuse_another_identity,
+    resumed_as_stored,
+)
 from remat_search.units import format_bytes
 
 logger = logging.getLogger("remat_search")
@@ -100,6 +108,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     tell = on_progress or (lambda _: None)
     check_storage(spec.storage, create=True)  # fail fast, before the worker starts
     spec = resumed_as_stored(spec)  # an older spec resumes its study as it was searched
+    refuse_another_identity(spec)  # before any work: no worker started, nothing compiled or written
     space = check(spec)
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
@@ -118,7 +127,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         with translate_errors(spec.storage):  # the storage calls that open the study; later ones fail at run time
             cache.create_table(storage.engine)
             study = _open_study(spec, budget, storage, device, space)
-            recover(study, storage, n_params=space.n_params, grace=spec.heartbeat.grace)
+            recover(study, storage, n_params=space.n_params)
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
         _Workers(spec, budget, study, space, storage, device, tell).run(runners)
         if spec.confirm.top and device.executes:
@@ -267,12 +276,12 @@ class _Workers:
             if done + sum(1 for t in trials if t.state == TrialState.RUNNING) >= self.spec.trials:
                 return _WAIT
             trial = ask(self.study)
-            if not self._admitted(trial):  # another process asked for the last one at the same moment
-                fail_and_requeue(self.study, self.storage, self._frozen(trial), n_params=self.space.n_params)
-                return _WAIT
             try:
+                self.heartbeats.add(self._id_of(trial))  # its first heartbeat: its place in the order of admission
+                if not admitted(self.study, self.storage, self._id_of(trial), trials=self.spec.trials):
+                    self._interrupt(trial)  # another process asked for the last one at the same moment
+                    return _WAIT
                 mark(trial)
-                self.heartbeats.add(self._id_of(trial))
                 plan = self.space.suggest(trial)
                 record_prediction(self.study, trial)
                 labels = self.space.layer_labels(trial.params)
@@ -282,18 +291,6 @@ class _Workers:
                 self._interrupt(trial)
                 raise
             return _Asked(trial, plan, labels, done)
-
-    def _admitted(self, trial: optuna.Trial) -> bool:
-        """Whether ``trial`` (just asked for) is within ``spec.trials``: the counted trials and
-        those running that started before it leave room for it."""
-        me = self._frozen(trial)
-        key = (me.datetime_start, me.number)
-        trials = self.study.get_trials(deepcopy=False)
-        ahead = sum(
-            1 for t in trials
-            if counts(t) or (t.state == TrialState.RUNNING and t.number != me.number and (t.datetime_start, t.number) < key)
-        )
-        return ahead < self.spec.trials
 
     def measure(self, asked: _Asked, runner: Runner) -> None:
         """Measure the plan of ``asked`` (or reuse a cached measurement of it) and record it.
@@ -398,7 +395,7 @@ class _Workers:
     def _recover_if_due(self) -> None:
         """Fail dead trials (and requeue their plans) once every heartbeat interval; the lock held."""
         if time.monotonic() - self.recovered >= self.spec.heartbeat.interval:
-            recover(self.study, self.storage, n_params=self.space.n_params, grace=self.spec.heartbeat.grace)
+            recover(self.study, self.storage, n_params=self.space.n_params)
             self.recovered = time.monotonic()
 
     def _interrupt(self, trial: optuna.Trial) -> None:

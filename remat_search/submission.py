@@ -134,10 +134,24 @@ def prepare(spec: SearchSpec, study: optuna.Study, space: Space) -> None:
             enqueue(study, params)
 
 
+def refuse_another_identity(spec: SearchSpec) -> None:
+    """Refuse ``spec`` where its study is stored with another identity (workload, space,
+    budget, target, mesh), before any work: it reads the storage, and writes, builds and
+    compiles nothing (a study not stored yet is left be)."""
+    attrs = None
+    with contextlib.suppress(StorageError), open_study(spec.study, spec.storage) as study:
+        attrs = study.attrs
+    if attrs is not None:
+        _check_identity(spec, attrs)
+
+
 def check_identity(spec: SearchSpec, study: optuna.Study) -> None:
     """Refuse ``spec`` for ``study`` if the study was submitted (or searched) with another
     identity. A budget left to the device is compared once a device resolves it (``run``)."""
-    attrs = study.user_attrs
+    _check_identity(spec, study.user_attrs)
+
+
+def _check_identity(spec: SearchSpec, attrs: dict[str, Any]) -> None:
     mine = spec.model_dump(mode="json", include=set(IDENTITY_FIELDS))
     theirs = attrs.get(SPEC_ATTR)
     for key in IDENTITY_FIELDS:

@@ -21,14 +21,13 @@ import hashlib
 import importlib.metadata
 import math
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 from remat_search.errors import RunError, SpecError
-from remat_search.spec import MESH_AXES, TargetConfig, TpuTarget, target_kind
+from remat_search.spec import MESH_AXES, TargetConfig, TpuTarget, storage_home, target_kind
 from remat_search.step_time import CHIPS, StepEstimate, estimate_step
 
 _OOM = re.compile(
@@ -79,10 +78,14 @@ class Target(ABC):
         """Held while a plan holds the devices (its training state placed, stepped, timed): one
         plan at a time on this host's devices, whichever worker or search runs it, so that no
         two plans are timed at once or have their states on a device together. A lock file
-        (``flock``) that the kernel releases when its holder dies."""
+        (``flock``) that the kernel releases when its holder dies, in the storage home: the
+        folder that the workers of one host share (compose's worker replicas mount it as a
+        volume; each container has a ``/tmp`` of its own)."""
         ids = ",".join(str(d.id) for d in self.devices())
         digest = hashlib.sha256(f"{self.platform}:{ids}".encode()).hexdigest()[:12]
-        return _file_lock(Path(tempfile.gettempdir()) / f"remat-search-device-{self.platform}-{digest}.lock")
+        home = storage_home()
+        home.mkdir(parents=True, exist_ok=True)
+        return _file_lock(home / f"remat-search-device-{self.platform}-{digest}.lock")
 
     def compiler_version(self) -> str | None:
         """The TPU compiler's (libtpu's) version where plans are compiled for TPU, else None:

@@ -108,8 +108,7 @@ def _recover(study: optuna.Study, storage: str) -> None:
     space = Space.of(spec.space, study.user_attrs[LAYERS_ATTR])
     beating = open_storage(storage, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params))
     recover(
-        optuna.load_study(study_name=study.study_name, storage=beating), beating,
-        n_params=space.n_params, grace=spec.heartbeat.grace,
+        optuna.load_study(study_name=study.study_name, storage=beating), beating, n_params=space.n_params,
     )
 
 

@@ -10,8 +10,12 @@ check ok, and no worker process left behind by a killed search.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from remat_search.liveness import counts
 from remat_search.plan import RematPlan
 from remat_search.store import MEASUREMENT_ATTR, PLAN_ATTR
 
-from .conftest import run_process, spec_dict, write_spec
+from .conftest import REPO, run_process, spec_dict, write_spec
 
 WORKLOAD = {"kind": "mlp", "layers": 3, "width": 32, "hidden": 64, "batch": 16}
 SPACE = {"layout": "per_layer", "choices": ["none", "full", "dots"]}
@@ -115,3 +119,58 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Run one study of ``trials`` trials on ``storage`` (PostgreSQL) with ``hosts`` "hosts": a
+    ``run`` process each, with a host name of its own (``$REMAT_SEARCH_HOST``: none can judge
+    another's trials by process id, only by heartbeat). Kill a whole host (its search and its
+    worker, ``kill -9`` of the process group) ``kills`` times at random moments, starting it
+    again a moment later; then let every host finish. Returns ``kills``, ``runs``, ``exits``
+    (the last runs' exit codes), ``finished``, ``running``, ``lost``, ``orphans``, ``seconds``."""
+    rng = random.Random(seed)
+    spec = write_spec(folder / "chaos-hosts.yaml", spec_dict(
+        storage, study="chaos", workload=WORKLOAD, space=SPACE, trials=trials, workers=1,
+        sampler={"kind": "random", "seed": seed}, confirm={"top": 0},
+        timing={"warmup": 1, "repeats": 2, "timeout": "120s"}, heartbeat={"interval": 1, "grace": 5},
+    ))
+
+    def start(host: int) -> Any:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "REMAT_SEARCH_HOST": f"host-{host}"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "remat_search.cli", "run", str(spec)], cwd=REPO, env=env, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    started = time.monotonic()
+    procs = {h: start(h) for h in range(hosts)}
+    runs, killed = hosts, 0
+    seen: dict[int, tuple[Any, ...]] = {}
+    processes_seen: set[int] = set()
+    while killed < kills:
+        time.sleep(rng.uniform(0.5, 4.0))
+        for p in procs.values():
+            processes_seen.update(c.pid for c in _children(p.pid))
+        alive = [h for h, p in procs.items() if p.poll() is None]
+        if not alive:
+            break
+        victim = rng.choice(alive)
+        os.killpg(procs[victim].pid, signal.SIGKILL)  # the whole host: its search and its worker
+        procs[victim].wait()
+        killed += 1
+        seen.update(_complete(storage))
+        procs[victim] = start(victim)
+        runs += 1
+    exits = [p.wait(timeout=900) for p in procs.values()]
+    seconds = time.monotonic() - started
+    trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
+    now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+    time.sleep(3)  # a worker of a killed search notices within a second or two
+    return {
+        "kills": killed, "runs": runs, "exits": exits, "seconds": seconds,
+        "finished": sum(counts(t) for t in trials_now),
+        "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
+        "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
+        "orphans": sorted(pid for pid in processes_seen if _alive(pid)),
+        "hosts": sorted({t.user_attrs.get("host") for t in trials_now if t.user_attrs.get("host")}),
+    }

@@ -424,3 +424,25 @@ def test_a_confirmed_plan_shows_one_time_in_every_command(delayed_study, cli) ->
         assert f"{shown} ✓" in outputs[command] and "✓ confirmed" in " ".join(outputs[command].split()), command
     for command in ("best", "show --trial"):
         assert f"its one time, in every table and the plot: {shown} ✓ (its confirmed time)" in outputs[command]
+
+
+def test_the_compiler_s_packages_key_the_cache_and_the_saved_reference() -> None:
+    """The worker records jaxlib's version (XLA), beside libtpu's for TPU and the CUDA plugin's
+    for GPU; a measurement or a reference made with other versions is not reused. The saved
+    reference is also keyed by the state's shardings, as the cache is."""
+    import importlib.metadata
+
+    from remat_search.artifacts import reference_key
+    from remat_search.runner import compiler_packages, reference_parts
+
+    from .workloads import TINY_MLP
+
+    with Runner(TINY_MLP, timeout=120) as r:
+        described = r.describe()
+    assert described.compiler_packages == f"jaxlib {importlib.metadata.version('jaxlib')}"
+    assert compiler_packages("tpu").startswith("jaxlib ")  # and libtpu's, where installed
+    other_jaxlib = described.model_copy(update={"compiler_packages": "jaxlib 0.0.1"})
+    assert cache.cache_key(other_jaxlib, "plan") != cache.cache_key(described, "plan")
+    assert reference_key(reference_parts(other_jaxlib, 2)) != reference_key(reference_parts(described, 2))
+    resharded = described.model_copy(update={"sharding_digest": "another"})
+    assert reference_key(reference_parts(resharded, 2)) != reference_key(reference_parts(described, 2))
