@@ -38,7 +38,9 @@ from .conftest import REPO, _free_port, create_database, spec_dict
 from .services import Service, environment, executable, get_json, http, started
 
 DOCKER = REPO / "docker"
-SERVICES = {"postgres", "worker", "api", "dashboard"}
+SERVICES = {"postgres", "worker", "worker-cuda", "worker-tpu", "api", "dashboard"}
+TARGETS = {"worker-cuda": "cuda", "worker-tpu": "tpu"}  # the image of every other service: cpu
+TARGET_KEYS = {"image", "build", "profiles", "deploy", "privileged", "network_mode", "command", "healthcheck"}
 TOKEN = "a-test-token-for-the-api"
 
 
@@ -108,22 +110,67 @@ def test_compose_runs_postgres_workers_the_api_and_the_dashboard() -> None:
     for name in SERVICES - {"postgres"}:
         first = "api" if name == "dashboard" else "postgres"  # the api makes optuna's tables for it
         assert services[name]["depends_on"] == {first: {"condition": "service_healthy"}}
-        assert services[name]["build"]["args"]["TARGET"] == "${TARGET:-cpu}"
-    assert services["api"]["ports"] == ["8000:8000"]
+        target = TARGETS.get(name, "cpu")
+        assert services[name]["build"]["args"] == {"TARGET": target}
+        assert services[name]["image"] == f"remat-search:{target}"
+        assert services[name].get("profiles", []) == ([target] if target != "cpu" else [])  # cpu: always
+        assert services[name]["healthcheck"]["test"][0] == "CMD"  # run in the image, no shell
     assert services["dashboard"]["ports"] == ["127.0.0.1:8080:8080"]  # no login: this host only
+    assert services["postgres"]["ports"] == ["127.0.0.1:${POSTGRES_PORT:-5432}:5432"]  # this host only
+
+
+def test_the_api_is_published_on_loopback_unless_an_address_is_set() -> None:
+    api = compose()["services"]["api"]
+    assert interpolate(api["ports"], {}) == ["127.0.0.1:8000:8000"]
+    assert interpolate(api["ports"], {"REMAT_SEARCH_API_ADDRESS": "0.0.0.0"}) == ["0.0.0.0:8000:8000"]
+
+
+def test_the_tpu_worker_runs_as_the_dockerfile_says_and_the_cuda_worker_with_the_gpus() -> None:
+    """The Dockerfile says a TPU image runs ``--privileged --net=host``; the CUDA one sees the
+    GPUs through the NVIDIA container toolkit (``--gpus all``)."""
+    said = (DOCKER / "Dockerfile").read_text()
+    assert "`--privileged --net=host`" in said and "`docker run --gpus all`" in said
+    services = compose()["services"]
+    tpu, cuda = services["worker-tpu"], services["worker-cuda"]
+    assert tpu["privileged"] is True and tpu["network_mode"] == "host"
+    assert "privileged" not in cuda and "network_mode" not in cuda
+    assert cuda["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]
+    assert tpu["deploy"]["replicas"] == cuda["deploy"]["replicas"] == 1  # one process holds the chips
+    for worker in ("worker-cuda", "worker-tpu"):  # the cpu worker's line, but for its storage URL
+        assert [a for a in services[worker]["command"] if "://" not in a] == ["worker", "--storage"]
+        assert {k: v for k, v in services[worker].items() if k not in TARGET_KEYS} == {
+            k: v for k, v in services["worker"].items() if k not in TARGET_KEYS
+        }
+
+
+def _storage_urls(services: dict[str, Any]) -> dict[str, set[str]]:
+    """Each service's PostgreSQL URLs: in its command and in its health check."""
+    return {
+        name: {a for a in [*service.get("command", []), *service.get("healthcheck", {}).get("test", [])] if a.startswith("postgresql")}
+        for name, service in services.items() if name != "postgres"
+    }
 
 
 def test_every_service_names_the_same_postgresql_database_as_the_postgres_service() -> None:
     services = interpolate(compose()["services"], {"REMAT_SEARCH_TOKEN": TOKEN})
     postgres = services["postgres"]["environment"]
-    urls = {arg for name in SERVICES - {"postgres"} for arg in services[name]["command"] if "://" in arg}
-    assert len(urls) == 1, urls
-    url = make_url(urls.pop())
-    assert url.drivername == "postgresql+psycopg"
-    assert (url.host, url.port) == ("postgres", 5432)  # the service's name on compose's network
-    assert url.username == postgres.get("POSTGRES_USER", "postgres")
-    assert url.password == postgres["POSTGRES_PASSWORD"]
-    assert url.database == postgres["POSTGRES_DB"]
+    (published,) = services["postgres"]["ports"]
+    for name, urls in _storage_urls(services).items():
+        assert len(urls) == 1, (name, urls)  # its health check asks the storage its command uses
+        url = make_url(urls.pop())
+        assert url.drivername == "postgresql+psycopg"
+        if services[name].get("network_mode") == "host":  # the host's loopback, where postgres is published
+            assert f"{url.host}:{url.port}:5432" == published == "127.0.0.1:5432:5432"
+        else:
+            assert (url.host, url.port) == ("postgres", 5432)  # the service's name on compose's network
+        assert url.username == postgres.get("POSTGRES_USER", "postgres")
+        assert url.password == postgres["POSTGRES_PASSWORD"]
+        assert url.database == postgres["POSTGRES_DB"]
+    moved = interpolate(compose()["services"], {"REMAT_SEARCH_TOKEN": TOKEN, "POSTGRES_PORT": "6543"})
+    assert make_url(moved["worker-tpu"]["command"][-1]).port == 6543
+    assert moved["postgres"]["ports"] == ["127.0.0.1:6543:5432"]
 
 
 def test_compose_refuses_to_start_without_a_token_for_the_api() -> None:
@@ -339,16 +386,22 @@ def _remat_search_commands() -> dict[str, set[str]]:
 
 def test_every_remat_search_command_and_option_in_compose_exists() -> None:
     commands = _remat_search_commands()
-    ran = set()
+    ran, checked = set(), set()
     for name, service in compose()["services"].items():
-        if name == "postgres" or "entrypoint" in service:
+        if name == "postgres":
             continue
-        command, *args = service["command"]
-        assert command in commands, (name, command)
-        for option in (a for a in args if a.startswith("-")):
-            assert option in commands[command], (name, command, option)
-        ran.add(command)
-    assert ran == {"worker", "serve"}
+        lines = [] if "entrypoint" in service else [service["command"]]
+        health = service["healthcheck"]["test"][1:]
+        if health[0] == "remat-search":
+            lines.append(health[1:])
+            checked.add(health[1])
+        for command, *args in lines:
+            assert command in commands, (name, command)
+            for option in (a for a in args if a.startswith("-")):
+                assert option in commands[command], (name, command, option)
+            ran.add(command)
+    assert ran == {"worker", "serve", "studies"}
+    assert checked == {"studies"}  # the workers' health check
 
 
 def test_every_dashboard_option_in_compose_exists() -> None:
@@ -368,7 +421,7 @@ def local(argv: list[str], storage: str, port: int | None = None) -> list[str]:
     loopback only) and its ``--port`` a free ``port``."""
     out = []
     for i, arg in enumerate(argv):
-        if "://" in arg:
+        if arg.startswith("postgresql"):
             url, server = make_url(arg), make_url(storage)
             assert url.host == "postgres", arg
             arg = url.set(host=server.host, port=server.port).render_as_string(hide_password=False)
@@ -379,6 +432,21 @@ def local(argv: list[str], storage: str, port: int | None = None) -> list[str]:
             arg = str(port)
         out.append(arg)
     return out
+
+
+def health_check(service: dict[str, Any], storage: str, ports: dict[int, int], home: dict[str, str]) -> int:
+    """Run a service's compose health check (``["CMD", ...]``: no shell) as a process here, with
+    the exit code compose judges: ``remat-search`` is this Python's CLI, ``python`` this Python,
+    its storage URL the loopback server ``storage`` and each ``127.0.0.1:PORT`` of the container
+    the port its process listens on here (``ports``)."""
+    kind, program, *args = service["healthcheck"]["test"]
+    assert kind == "CMD", service["healthcheck"]
+    head = {"remat-search": [sys.executable, "-m", "remat_search.cli"], "python": [sys.executable]}[program]
+    argv = local(args, storage)
+    for inside, here in ports.items():
+        argv = [a.replace(f"127.0.0.1:{inside}/", f"127.0.0.1:{here}/") for a in argv]
+    done = subprocess.run([*head, *argv], capture_output=True, cwd=REPO, env=environment(home), timeout=300, check=False)
+    return done.returncode
 
 
 def _wait_until_finished(api: str, study: str, workers: list[Service], timeout: float = 480) -> dict[str, Any]:
@@ -449,10 +517,12 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
             tmp_path / "dashboard.log",
         ))
         _wait_until_idle(workers)
-        kind, python, *health = services["api"]["healthcheck"]["test"]
-        assert (kind, python) == ("CMD", "python")
-        health = [sys.executable, *(arg.replace(":8000/", f":{api_port}/") for arg in health)]
-        assert subprocess.run(health, capture_output=True, check=False).returncode == 0  # compose's healthcheck, here
+        # compose's health checks, here: each passes against its running service, and fails
+        # where it should (a storage nothing answers at; below, a dashboard that has stopped)
+        assert health_check(services["api"], compose_storage, {8000: api_port}, home) == 0
+        assert health_check(services["worker"], compose_storage, {}, home) == 0
+        nowhere = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}"
+        assert health_check(services["worker"], nowhere, {}, home) != 0
 
         spec = spec_dict(storage, trials=4, confirm={"top": 0, "rounds": 2, "presets": False})
         del spec["storage"]  # the server's own
@@ -495,9 +565,12 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
         dashboard.wait_for_http(f"http://127.0.0.1:{dashboard_port}/api/studies")
         studies = get_json(f"http://127.0.0.1:{dashboard_port}/api/studies")["study_summaries"]
         assert [s["study_name"] for s in studies] == ["tiny"]
+        assert health_check(services["dashboard"], compose_storage, {8080: dashboard_port}, home) == 0
 
         for worker in workers:
             assert worker.stop() == 0, worker.output()[-4000:]
         serve.stop()
         dashboard.stop()
+        assert health_check(services["dashboard"], compose_storage, {8080: dashboard_port}, home) != 0
+        assert health_check(services["api"], compose_storage, {8000: api_port}, home) != 0
 
