@@ -233,6 +233,18 @@ def test_the_base_image_and_the_postgres_image_are_pinned_by_digest() -> None:
     assert not _DIGEST.match("python:3.11-slim") and not _DIGEST.match("python:3.11-slim@sha256:abc")
 
 
+def test_the_postgres_image_is_the_postgresql_major_version_the_tests_run(postgres_server: str) -> None:
+    """compose's PostgreSQL (by digest, its tag saying its version) is the major version of the
+    server the tests run against: a major version has a data format and behaviour of its own."""
+    import psycopg
+
+    with psycopg.connect(f"host=127.0.0.1 port={make_url(postgres_server).port} user=postgres dbname=postgres") as db:
+        (running,) = db.execute("SHOW server_version").fetchone()  # type: ignore[misc]
+    tag = compose()["services"]["postgres"]["image"].split("@")[0].removeprefix("postgres:")
+    assert re.fullmatch(r"\d+\.\d+-\w+", tag), tag  # a release, not a moving major tag
+    assert tag.split(".")[0] == running.split(".")[0], (tag, running)
+
+
 def test_the_image_installs_its_packages_with_the_constraints_file() -> None:
     """One ``pip install`` in the Dockerfile, with ``-c docker/constraints.txt``, which is copied
     to that path below the working directory before it runs."""
