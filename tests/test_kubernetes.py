@@ -99,6 +99,7 @@ def test_the_service_is_a_deployment_the_workers_a_job_of_32_and_the_secrets_a_s
     assert pod(*WORKERS)["restartPolicy"] == "OnFailure"
     assert container(*WORKERS)["image"] == "remat-search:tpu"  # libtpu: TPU-target studies compile on CPU nodes
     assert container(*API)["image"] == "remat-search:cpu"
+    assert container(*WORKERS)["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}  # a compile: ~2 cores
 
     deployment, service = found[API]["spec"], found[("Service", "remat-search-api")]["spec"]
     labels = deployment["template"]["metadata"]["labels"]
