@@ -4,9 +4,11 @@ The Dockerfile is read by Docker's own parser (the ``dockerfile`` package wraps 
 parser) and compose.yaml is checked against the Compose Specification's JSON schema
 (``tests/compose-spec.json``, schema/compose-spec.json of github.com/compose-spec/compose-spec at
 170098ba07d9f53c383a41bfd4c5166b0a4529a6, Apache-2.0). Every extra, path, subcommand and option
-they name exists. Then the services' own command lines, as compose.yaml writes them, run as
-local processes against a PostgreSQL server on loopback: a spec goes in over HTTP, two workers
-finish the study, and the API answers ``best`` with a plan whose peak is what ``show`` says.
+they name exists. What the images are built from is pinned: base images by digest, and every
+package each image installs by docker/constraints.txt. Then the services' own command lines,
+as compose.yaml writes them, run as local processes against a PostgreSQL server on loopback: a
+spec goes in over HTTP, two workers finish the study, and the API answers ``best`` with a plan
+whose peak is what ``show`` says; each service's health check runs here against it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from .conftest import REPO, _free_port, create_database, spec_dict
 from .services import Service, environment, executable, get_json, http, started
 
 DOCKER = REPO / "docker"
-SERVICES = {"postgres", "worker", "api", "dashboard"}
+SERVICES = {"postgres", "worker", "worker-cuda", "worker-tpu", "api", "dashboard"}
+TARGETS = {"worker-cuda": "cuda", "worker-tpu": "tpu"}  # the image of every other service: cpu
+TARGET_KEYS = {"image", "build", "profiles", "deploy", "privileged", "network_mode", "command", "healthcheck"}
 TOKEN = "a-test-token-for-the-api"
 
 
@@ -108,22 +112,71 @@ def test_compose_runs_postgres_workers_the_api_and_the_dashboard() -> None:
     for name in SERVICES - {"postgres"}:
         first = "api" if name == "dashboard" else "postgres"  # the api makes optuna's tables for it
         assert services[name]["depends_on"] == {first: {"condition": "service_healthy"}}
-        assert services[name]["build"]["args"]["TARGET"] == "${TARGET:-cpu}"
-    assert services["api"]["ports"] == ["8000:8000"]
+        target = TARGETS.get(name, "cpu")
+        assert services[name]["build"]["args"] == {"TARGET": target}
+        assert services[name]["image"] == f"remat-search:{target}"
+        assert services[name].get("profiles", []) == ([target] if target != "cpu" else [])  # cpu: always
+        assert services[name]["healthcheck"]["test"][0] == "CMD"  # run in the image, no shell
     assert services["dashboard"]["ports"] == ["127.0.0.1:8080:8080"]  # no login: this host only
+    assert services["postgres"]["ports"] == ["127.0.0.1:${POSTGRES_PORT:-5432}:5432"]  # this host only
+
+
+def test_the_api_is_published_on_loopback_unless_an_address_is_set() -> None:
+    api = compose()["services"]["api"]
+    assert interpolate(api["ports"], {}) == ["127.0.0.1:8000:8000"]
+    assert interpolate(api["ports"], {"REMAT_SEARCH_API_ADDRESS": "0.0.0.0"}) == ["0.0.0.0:8000:8000"]
+
+
+def test_the_tpu_worker_runs_as_the_dockerfile_says_and_the_cuda_worker_with_the_gpus() -> None:
+    """The Dockerfile says a TPU image runs ``--privileged --net=host``; the CUDA one sees the
+    GPUs through the NVIDIA container toolkit (``--gpus all``)."""
+    said = (DOCKER / "Dockerfile").read_text()
+    assert "`--privileged --net=host`" in said and "`docker run --gpus all`" in said
+    services = compose()["services"]
+    tpu, cuda = services["worker-tpu"], services["worker-cuda"]
+    assert tpu["privileged"] is True and tpu["network_mode"] == "host"
+    assert "privileged" not in cuda and "network_mode" not in cuda
+    assert cuda["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]
+    assert tpu["deploy"]["replicas"] == cuda["deploy"]["replicas"] == 1  # one process holds the chips
+    def but_the_url(check: dict[str, Any]) -> dict[str, Any]:
+        return {**check, "test": [a for a in check["test"] if not a.startswith("postgresql")]}
+
+    for worker in ("worker-cuda", "worker-tpu"):  # the cpu worker's lines, but for the storage URL
+        assert [a for a in services[worker]["command"] if "://" not in a] == ["worker", "--storage"]
+        assert but_the_url(services[worker]["healthcheck"]) == but_the_url(services["worker"]["healthcheck"])
+        assert {k: v for k, v in services[worker].items() if k not in TARGET_KEYS} == {
+            k: v for k, v in services["worker"].items() if k not in TARGET_KEYS
+        }
+
+
+def _storage_urls(services: dict[str, Any]) -> dict[str, set[str]]:
+    """Each service's PostgreSQL URLs: in its command and in its health check."""
+    return {
+        name: {a for a in [*service.get("command", []), *service.get("healthcheck", {}).get("test", [])] if a.startswith("postgresql")}
+        for name, service in services.items() if name != "postgres"
+    }
 
 
 def test_every_service_names_the_same_postgresql_database_as_the_postgres_service() -> None:
     services = interpolate(compose()["services"], {"REMAT_SEARCH_TOKEN": TOKEN})
     postgres = services["postgres"]["environment"]
-    urls = {arg for name in SERVICES - {"postgres"} for arg in services[name]["command"] if "://" in arg}
-    assert len(urls) == 1, urls
-    url = make_url(urls.pop())
-    assert url.drivername == "postgresql+psycopg"
-    assert (url.host, url.port) == ("postgres", 5432)  # the service's name on compose's network
-    assert url.username == postgres.get("POSTGRES_USER", "postgres")
-    assert url.password == postgres["POSTGRES_PASSWORD"]
-    assert url.database == postgres["POSTGRES_DB"]
+    (published,) = services["postgres"]["ports"]
+    for name, urls in _storage_urls(services).items():
+        assert len(urls) == 1, (name, urls)  # its health check asks the storage its command uses
+        url = make_url(urls.pop())
+        assert url.drivername == "postgresql+psycopg"
+        if services[name].get("network_mode") == "host":  # the host's loopback, where postgres is published
+            assert f"{url.host}:{url.port}:5432" == published == "127.0.0.1:5432:5432"
+        else:
+            assert (url.host, url.port) == ("postgres", 5432)  # the service's name on compose's network
+        assert url.username == postgres.get("POSTGRES_USER", "postgres")
+        assert url.password == postgres["POSTGRES_PASSWORD"]
+        assert url.database == postgres["POSTGRES_DB"]
+    moved = interpolate(compose()["services"], {"REMAT_SEARCH_TOKEN": TOKEN, "POSTGRES_PORT": "6543"})
+    assert make_url(moved["worker-tpu"]["command"][-1]).port == 6543
+    assert moved["postgres"]["ports"] == ["127.0.0.1:6543:5432"]
 
 
 def test_compose_refuses_to_start_without_a_token_for_the_api() -> None:
@@ -136,8 +189,8 @@ def test_compose_refuses_to_start_without_a_token_for_the_api() -> None:
 
 def test_dockerfile_builds_from_slim_python_with_the_cli_as_entrypoint() -> None:
     args = build_args()
-    base = only("FROM").value[0].replace("${PYTHON}", args["PYTHON"])
-    assert base == "python:3.11-slim"
+    assert only("FROM").value == ("${BASE}",)
+    assert args["BASE"].split("@")[0] == f"python:{sys.version_info.major}.{sys.version_info.minor}-slim-bookworm"
     assert args["TARGET"] == "cpu"
     entrypoint = only("ENTRYPOINT")
     assert entrypoint.json and entrypoint.value == ("remat-search",)
@@ -164,12 +217,134 @@ def test_every_extra_the_dockerfile_installs_exists_in_pyproject() -> None:
     targets = set(re.search(r'case "\$\{TARGET\}" in ([\w|]+)\)', run).group(1).split("|"))  # type: ignore[union-attr]
     assert targets == {"cpu", "cuda", "tpu"}
     assert build_args()["TARGET"] in targets
-    named = re.findall(r'pip install "\.\[([^\]]+)\]"', run)
+    named = re.findall(r'pip install -c docker/constraints\.txt "\.\[([^\]]+)\]"', run)
     assert len(named) == 1, run
     for target in targets:
         wanted = set(named[0].replace("${TARGET}", target).split(","))
         assert wanted == {target, "postgres", "service", "dashboard"}
         assert wanted <= extras, wanted - extras
+
+
+# --- what the images are built from is pinned ---
+
+_DIGEST = re.compile(r"^[\w.-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
+CONSTRAINTS = DOCKER / "constraints.txt"
+IMAGE_EXTRAS = ("postgres", "service", "dashboard")  # beside the target, in every image
+
+
+def test_the_base_image_and_the_postgres_image_are_pinned_by_digest() -> None:
+    assert _DIGEST.match(build_args()["BASE"]), build_args()["BASE"]
+    images = {name: s["image"] for name, s in compose()["services"].items() if "build" not in s}
+    assert images and all(_DIGEST.match(image) for image in images.values()), images
+    assert not _DIGEST.match("python:3.11-slim") and not _DIGEST.match("python:3.11-slim@sha256:abc")
+
+
+def test_the_postgres_image_is_the_postgresql_major_version_the_tests_run(postgres_server: str) -> None:
+    """compose's PostgreSQL (by digest, its tag saying its version) is the major version of the
+    server the tests run against: a major version has a data format and behaviour of its own."""
+    import psycopg
+
+    with psycopg.connect(f"host=127.0.0.1 port={make_url(postgres_server).port} user=postgres dbname=postgres") as db:
+        (running,) = db.execute("SHOW server_version").fetchone()  # type: ignore[misc]
+    tag = compose()["services"]["postgres"]["image"].split("@")[0].removeprefix("postgres:")
+    assert re.fullmatch(r"\d+\.\d+-\w+", tag), tag  # a release, not a moving major tag
+    assert tag.split(".")[0] == running.split(".")[0], (tag, running)
+
+
+def test_the_image_installs_its_packages_with_the_constraints_file() -> None:
+    """One ``pip install`` in the Dockerfile, with ``-c docker/constraints.txt``, which is copied
+    to that path below the working directory before it runs."""
+    run = [i.value[0] for i in instructions() if i.cmd == "RUN"]
+    installs = [i.strip() for i in re.findall(r"pip install ([^&]+)", " ".join(run))]
+    assert installs == ['-c docker/constraints.txt ".[${TARGET},postgres,service,dashboard]"'], installs
+    copied = [i for i in instructions() if i.cmd == "COPY" and "docker/constraints.txt" in i.value]
+    assert [c.value for c in copied] == [("docker/constraints.txt", "./docker/constraints.txt")]
+    assert only("WORKDIR").value == ("/app",)
+    order = [i.cmd for i in instructions()]
+    assert order.index("COPY") < order.index("RUN")
+
+
+def pinned() -> dict[str, str]:
+    """docker/constraints.txt: canonical name → version; every line ``name==version``."""
+    from packaging.utils import canonicalize_name
+
+    lines = [line for line in CONSTRAINTS.read_text().splitlines() if line and not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", line) for line in lines), lines
+    pins = dict(line.split("==") for line in lines)
+    assert len({canonicalize_name(n) for n in pins}) == len(pins)  # one pin a package
+    return {canonicalize_name(name): version for name, version in pins.items()}
+
+
+def requirements_of(target: str) -> dict[str, str | None]:
+    """Every package the ``target`` image installs, as far as this environment's metadata knows:
+    the closure of pyproject's dependencies and the image's extras, markers evaluated here.
+    Canonical name → version installed here, or None for a package not installed here (CUDA's
+    wheels), whose own requirements this walk cannot see."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *(r for e in (target, *IMAGE_EXTRAS) for r in project["optional-dependencies"][e])]
+    todo, seen, found = [Requirement(r) for r in wanted], set(), {}
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if (name, frozenset(requirement.extras)) in seen:
+            continue
+        seen.add((name, frozenset(requirement.extras)))
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+            continue
+        found[name] = dist.version
+        for needed in map(Requirement, dist.requires or []):
+            extras = requirement.extras or {""}
+            if needed.marker is None or any(needed.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(needed)
+    return found
+
+
+@pytest.mark.parametrize("target", ["cpu", "tpu", "cuda"])
+def test_the_constraints_pin_every_package_the_image_installs(target: str) -> None:
+    """Each package of the image's requirement closure is pinned, at the version installed here
+    (the one the tests ran with) where it is installed here."""
+    pins = pinned()
+    needed = requirements_of(target)
+    assert "jax" in needed and ("libtpu" in needed) == (target == "tpu")
+    assert sorted(set(needed) - set(pins)) == []
+    assert {n: (v, pins[n]) for n, v in needed.items() if v is not None and v != pins[n]} == {}
+    if target == "cuda":
+        assert needed["jax-cuda12-plugin"] is None  # not installed here: pinned as PyPI resolved it
+        assert pins["jax-cuda12-plugin"] == pins["jaxlib"] == needed["jaxlib"]
+
+
+def test_pip_resolves_the_cuda_image_to_exactly_its_pins(tmp_path: Path) -> None:
+    """CUDA's wheels are not installed here, so the walk above stops at them: pip itself resolves
+    the CUDA image's install line against PyPI with the constraints, and every package it would
+    install is pinned at the version it picks. Needs PyPI (skipped, saying so, without it)."""
+    import urllib.request
+
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/jax-cuda12-plugin/", timeout=10).close()
+    except OSError as e:
+        pytest.skip(f"PyPI is not reachable: {e}")
+    report = tmp_path / "report.json"
+    resolved = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+         "-c", str(CONSTRAINTS), f".[{','.join(('cuda', *IMAGE_EXTRAS))}]"],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )
+    assert resolved.returncode == 0, resolved.stderr[-3000:]
+    from packaging.utils import canonicalize_name
+
+    installs = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    del installs["remat-search"]
+    pins = pinned()
+    assert any(name.startswith("nvidia-") for name in installs)
+    assert {n: v for n, v in installs.items() if pins.get(n) != v} == {}
 
 
 def test_every_path_the_dockerfile_copies_exists() -> None:
@@ -229,16 +404,22 @@ def _remat_search_commands() -> dict[str, set[str]]:
 
 def test_every_remat_search_command_and_option_in_compose_exists() -> None:
     commands = _remat_search_commands()
-    ran = set()
+    ran, checked = set(), set()
     for name, service in compose()["services"].items():
-        if name == "postgres" or "entrypoint" in service:
+        if name == "postgres":
             continue
-        command, *args = service["command"]
-        assert command in commands, (name, command)
-        for option in (a for a in args if a.startswith("-")):
-            assert option in commands[command], (name, command, option)
-        ran.add(command)
-    assert ran == {"worker", "serve"}
+        lines = [] if "entrypoint" in service else [service["command"]]
+        health = service["healthcheck"]["test"][1:]
+        if health[0] == "remat-search":
+            lines.append(health[1:])
+            checked.add(health[1])
+        for command, *args in lines:
+            assert command in commands, (name, command)
+            for option in (a for a in args if a.startswith("-")):
+                assert option in commands[command], (name, command, option)
+            ran.add(command)
+    assert ran == {"worker", "serve", "studies"}
+    assert checked == {"studies"}  # the workers' health check
 
 
 def test_every_dashboard_option_in_compose_exists() -> None:
@@ -258,7 +439,7 @@ def local(argv: list[str], storage: str, port: int | None = None) -> list[str]:
     loopback only) and its ``--port`` a free ``port``."""
     out = []
     for i, arg in enumerate(argv):
-        if "://" in arg:
+        if arg.startswith("postgresql"):
             url, server = make_url(arg), make_url(storage)
             assert url.host == "postgres", arg
             arg = url.set(host=server.host, port=server.port).render_as_string(hide_password=False)
@@ -269,6 +450,21 @@ def local(argv: list[str], storage: str, port: int | None = None) -> list[str]:
             arg = str(port)
         out.append(arg)
     return out
+
+
+def health_check(service: dict[str, Any], storage: str, ports: dict[int, int], home: dict[str, str]) -> int:
+    """Run a service's compose health check (``["CMD", ...]``: no shell) as a process here, with
+    the exit code compose judges: ``remat-search`` is this Python's CLI, ``python`` this Python,
+    its storage URL the loopback server ``storage`` and each ``127.0.0.1:PORT`` of the container
+    the port its process listens on here (``ports``)."""
+    kind, program, *args = service["healthcheck"]["test"]
+    assert kind == "CMD", service["healthcheck"]
+    head = {"remat-search": [sys.executable, "-m", "remat_search.cli"], "python": [sys.executable]}[program]
+    argv = local(args, storage)
+    for inside, here in ports.items():
+        argv = [a.replace(f"127.0.0.1:{inside}/", f"127.0.0.1:{here}/") for a in argv]
+    done = subprocess.run([*head, *argv], capture_output=True, cwd=REPO, env=environment(home), timeout=300, check=False)
+    return done.returncode
 
 
 def _wait_until_finished(api: str, study: str, workers: list[Service], timeout: float = 480) -> dict[str, Any]:
@@ -339,10 +535,12 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
             tmp_path / "dashboard.log",
         ))
         _wait_until_idle(workers)
-        kind, python, *health = services["api"]["healthcheck"]["test"]
-        assert (kind, python) == ("CMD", "python")
-        health = [sys.executable, *(arg.replace(":8000/", f":{api_port}/") for arg in health)]
-        assert subprocess.run(health, capture_output=True, check=False).returncode == 0  # compose's healthcheck, here
+        # compose's health checks, here: each passes against its running service, and fails
+        # where it should (a storage nothing answers at; below, a dashboard that has stopped)
+        assert health_check(services["api"], compose_storage, {8000: api_port}, home) == 0
+        assert health_check(services["worker"], compose_storage, {}, home) == 0
+        nowhere = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}"
+        assert health_check(services["worker"], nowhere, {}, home) != 0
 
         spec = spec_dict(storage, trials=4, confirm={"top": 0, "rounds": 2, "presets": False})
         del spec["storage"]  # the server's own
@@ -385,9 +583,12 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
         dashboard.wait_for_http(f"http://127.0.0.1:{dashboard_port}/api/studies")
         studies = get_json(f"http://127.0.0.1:{dashboard_port}/api/studies")["study_summaries"]
         assert [s["study_name"] for s in studies] == ["tiny"]
+        assert health_check(services["dashboard"], compose_storage, {8080: dashboard_port}, home) == 0
 
         for worker in workers:
             assert worker.stop() == 0, worker.output()[-4000:]
         serve.stop()
         dashboard.stop()
+        assert health_check(services["dashboard"], compose_storage, {8080: dashboard_port}, home) != 0
+        assert health_check(services["api"], compose_storage, {8000: api_port}, home) != 0
 
