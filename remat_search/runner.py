@@ -363,7 +363,7 @@ def _serve(
             sharding_digest=_sharding_digest(workload, mesh),
             workload_note=workload.note(),
             compiler_options=json.dumps({
-                "options": compiler_options(target.platform == "cpu"),
+                "options": compiler_options(target.platform),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
             compiler_version=target.compiler_version(),

@@ -9,7 +9,9 @@ from typing import Any
 
 import jax
 import numpy as np
+import optuna
 import pytest
+import yaml
 from jax.sharding import AxisType
 
 import remat_search
@@ -72,6 +74,14 @@ def test_a_tpu_studys_peaks_are_those_over_the_mesh_jax_make_mesh_builds(
     assert line in result.stdout
     shown = cli("show", "--study", "tiny", "--storage", storage_url)
     assert shown.exit_code == 0 and line in shown.stdout, shown.output
+
+    # The same study as a version before the device order was kept stored it (measured over the
+    # devices in id order): not resumed over another order, its trials would not compare.
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    study.set_user_attr("device", {k: v for k, v in study.user_attrs["device"].items() if k != "device_order"})
+    again = cli("run", str(write_spec(spec, {**yaml.safe_load(spec.read_text()), "trials": 3})))
+    assert again.exit_code == 2 and again.stderr.count("\n") == 1, again.output
+    assert "spec.target: study 'tiny' already exists with another device" in again.stderr
 
 
 def test_the_devices_are_placed_as_jax_make_mesh_places_them() -> None:
