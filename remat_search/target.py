@@ -202,8 +202,10 @@ def make_mesh(devices: list[Any], axes: dict[str, int] | None) -> Any:
     script using ``jax.make_mesh`` do: the same program over another order needs other
     collectives, and other memory. Local CPU devices stay in their own order. The axes are
     left ``Auto``, as ``Mesh(devices, names)`` makes them (``jax.make_mesh`` would make them
-    ``Explicit``, another way of tracing)."""
+    ``Explicit``, another way of tracing). Where ``jax.make_mesh`` cannot place them (a
+    ``v4`` topology's two cores a chip), they stay in id order, and :func:`device_order` says so."""
     import jax
+    import numpy as np
     from jax.sharding import Mesh
 
     axes = dict(axes) if axes else {"data": len(devices)}
@@ -212,7 +214,11 @@ def make_mesh(devices: list[Any], axes: dict[str, int] | None) -> Any:
             f"spec.mesh: {axes} spans {math.prod(axes.values())} devices, the target has {len(devices)}"
         )
     names = mesh_axis_order(axes)
-    placed = jax.make_mesh(tuple(axes[a] for a in names), names, devices=devices).devices
+    shape = tuple(axes[a] for a in names)
+    try:
+        placed = jax.make_mesh(shape, names, devices=devices).devices
+    except (AssertionError, ValueError, NotImplementedError):  # mesh_utils' ways of saying it cannot
+        placed = np.array(devices).reshape(shape)
     return Mesh(placed, names)
 
 

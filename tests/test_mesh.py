@@ -94,6 +94,11 @@ def test_the_devices_are_placed_as_jax_make_mesh_places_them() -> None:
     assert make_mesh(devices, MESH).axis_names == ("data", "fsdp", "tensor", "stage")  # built-in axes first
     cpu = jax.devices("cpu")[:1]
     assert device_order(make_mesh(cpu, {"fsdp": 1})) is None  # the devices in their own order
+    # v4's ahead-of-time topology lists two cores a chip, which jax.make_mesh refuses: id order
+    v4 = target_of(TpuTarget(platform="tpu", topology="v4:2x2x1")).devices()
+    with pytest.raises(AssertionError, match="megacore"):
+        jax.make_mesh((len(v4),), ("data",), devices=v4)
+    assert device_order(make_mesh(v4, {"data": 2, "fsdp": len(v4) // 2})) is None
 
 
 def test_the_measurement_cache_keys_on_the_device_order_and_the_axes() -> None:
