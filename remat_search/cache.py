@@ -78,10 +78,11 @@ claim whose trial is no longer running is stale (its process died) and may be ta
 
 def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     """The key columns of one plan's measurement on ``device``."""
+    layout = _layout_digest(device)
     backend = json.dumps({
         "target": device.target, "platform": device.platform, "mesh": device.mesh,
         **({"shardings": device.sharding_digest} if device.sharding_digest else {}),
-        **({"layout": _layout_digest(device)} if _layout_digest(device) else {}),
+        **({"layout": layout} if layout else {}),
     }, sort_keys=True)
     compiler = json.dumps({
         "options": device.compiler_options, "libtpu": device.compiler_version, "schema": device.measurement_schema,
