@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         StorageError,
         WorkloadError,
     )
+    from remat_search.executables import compiler_options
     from remat_search.measurement import Measurement, MemoryBreakdown
     from remat_search.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
     from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.confirm"),
     **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
+    **dict.fromkeys(('compiler_options',), "remat_search.executables"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measurement"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plan"),
     **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.planner"),
@@ -82,6 +84,7 @@ __all__ = [
     "build_workload",
     "checkpoint_policy",
     "compare_times",
+    "compiler_options",
     "confirm_study",
     "fit_cost_model",
     "list_studies",

@@ -37,6 +37,7 @@ import sqlalchemy as sa
 
 from remat_search.measurement import Measurement, RawMeasurement
 from remat_search.runner import DeviceInfo
+from remat_search.spec import MESH_AXES
 
 metadata = sa.MetaData()
 measurements = sa.Table(
@@ -85,9 +86,11 @@ claim whose trial is no longer running is stale (its process died) and may be ta
 
 def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     """The key columns of one plan's measurement on ``device``."""
+    layout = _layout_digest(device)
     backend = json.dumps({
         "target": device.target, "platform": device.platform, "mesh": device.mesh,
         **({"shardings": device.sharding_digest} if device.sharding_digest else {}),
+        **({"layout": layout} if layout else {}),
     }, sort_keys=True)
     compiler = json.dumps({
         "options": device.compiler_options, "libtpu": device.compiler_version, "schema": device.measurement_schema,
@@ -102,6 +105,17 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
         "jax_version": device.jax_version,
         "compiler_options": hashlib.sha256(compiler.encode()).hexdigest()[:16],
     }
+
+
+def _layout_digest(device: DeviceInfo) -> str:
+    """A hash of how the mesh lays out the devices, where that is not what every cached
+    measurement before it assumed (the devices in their own order, over the built-in axes in
+    their order, which ``backend``'s mesh then says in full): "" where it is that. The order of
+    the axes and of the devices over them decides a program's collectives and memory."""
+    if device.mesh is None or (device.device_order is None and set(device.mesh) <= set(MESH_AXES)):
+        return ""
+    layout = json.dumps({"axes": list(device.mesh), "devices": device.device_order})
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 class Cached(NamedTuple):

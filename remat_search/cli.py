@@ -595,7 +595,8 @@ def show(
     if stored.device.get("workload_note"):
         output.console.print(stored.device["workload_note"], highlight=False, markup=False)
     if stored.device.get("shardings"):
-        output.console.print(output.sharding_line(stored.device.get("mesh"), stored.device["shardings"]), highlight=False)
+        line = output.sharding_line(stored.device.get("mesh"), stored.device["shardings"], stored.device.get("device_order"))
+        output.console.print(line, highlight=False, markup=False)
     if report is not None and path is not None:
         _draw(report, path, layers=True)
 

@@ -172,7 +172,7 @@ class Executables:
             abstract = workload.abstract_inputs(mesh)
             lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
         try:
-            compiled = lowered.compile(compiler_options=compiler_options(self.cpu) or None)
+            compiled = lowered.compile(compiler_options=compiler_options(self.target.platform) or None)
         except Exception as e:
             oom = out_of_memory(e)
             if oom is None:
@@ -433,9 +433,14 @@ def _time_steps(
     return [tuple(t) for t in times], float(loss)
 
 
-def compiler_options(cpu: bool) -> dict[str, str]:
-    """The compiler options plans are compiled with: the memory-optimised scheduler on CPU."""
-    return dict(CPU_COMPILER_OPTIONS) if cpu else {}
+def compiler_options(platform: str) -> dict[str, str]:
+    """The compiler options remat-search compiles plans for ``platform`` (``cpu``, ``gpu``,
+    ``tpu``: ``jax.default_backend()``) with: on CPU the memory-optimised scheduler, which is
+    what shows remat's savings there (XLA's default CPU scheduler orders work for concurrency
+    and keeps what remat would free alive); none elsewhere. A training script that compiles its
+    step with them (``lowered.compile(compiler_options=...)``) gets the memory the study
+    measured for its plan, to the byte."""
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
 
 
 def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:

@@ -35,7 +35,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import LinenConfig
-from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, traced_names
+from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, rule_targets, traced_names
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)
 """True while a layer runs: the calls it makes are its own, not layers."""
@@ -150,6 +150,10 @@ class LinenWorkload(Workload):
             return PartitionSpec()
 
         return jax.tree.map(spec, self._boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+    def rule_axes(self) -> frozenset[str]:
+        """The mesh axes ``workload.logical_axis_rules`` map onto (none without rules)."""
+        return rule_targets(self.config.logical_axis_rules)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so

@@ -34,7 +34,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
 from remat_search.spec import NnxConfig
-from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, traced_names
+from remat_search.workload import PyTree, Workload, flax_tracing, next_token_loss, rule_targets, traced_names
 
 
 class Checkpointed(nnx.Module):
@@ -144,6 +144,10 @@ class NnxWorkload(Workload):
     def param_partitioning(self) -> PyTree | None:
         """The model's own (see :meth:`_read_partitioning`)."""
         return self._partitioning
+
+    def rule_axes(self) -> frozenset[str]:
+        """The mesh axes ``workload.logical_axis_rules`` map onto (none without rules)."""
+        return rule_targets(self.config.logical_axis_rules)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so

@@ -209,9 +209,15 @@ def budget_line(written: str | None, budget: int) -> str:
     return f"budget {written} = {format_bytes(budget)}"
 
 
-def sharding_line(mesh: dict[str, int] | None, shardings: str) -> str:
-    """Where the state's shardings over the mesh came from, in a line (``run`` and ``show``)."""
-    return f"shardings over mesh {mesh}: {shardings}"
+def sharding_line(mesh: dict[str, int] | None, shardings: str, device_order: list[int] | None = None) -> str:
+    """Where the state's shardings over the mesh came from, and the order of the devices over it
+    (``DeviceInfo.device_order``; None: their id order), in a line (``run`` and ``show``)."""
+    if device_order is None:
+        devices = "devices in id order"
+    else:
+        shown = device_order if len(device_order) <= 16 else [*device_order[:16], "…"]
+        devices = f"devices [{', '.join(map(str, shown))}] (jax.make_mesh's order)"
+    return f"shardings over mesh {mesh} of {devices}: {shardings}"
 
 
 def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> list[str]:
@@ -227,7 +233,7 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
         if d.workload_note:
             lines.append(d.workload_note)
         if d.shardings:
-            lines.append(sharding_line(d.mesh, d.shardings))
+            lines.append(sharding_line(d.mesh, d.shardings, d.device_order))
         if not budget_given:
             lines.append(budget_line(None, p.budget))
         if p.done >= p.total:

@@ -49,7 +49,7 @@ from remat_search.executables import (
 from remat_search.measurement import MEASUREMENT_SCHEMA, Measurement, RawMeasurement
 from remat_search.plan import RematPlan
 from remat_search.spec import TargetConfig, TimingConfig, WorkloadConfig
-from remat_search.target import target_of
+from remat_search.target import device_order, target_of
 from remat_search.units import format_bytes
 
 STARTUP_TIMEOUT = 300.0
@@ -73,6 +73,11 @@ class DeviceInfo(BaseModel):
     device_kind: str
     device_count: int
     mesh: dict[str, int] | None
+    device_order: list[int] | None = None
+    """The devices' ids in the mesh's row-major order where it is not their own (ascending):
+    ``jax.make_mesh``'s placement over a TPU topology's links (``target.device_order``). None:
+    their own order, as every study measured before this field existed was (part of the cache
+    key and of the study's identity)."""
     memory_limit: int | None
     """Usable memory per device as its compiler or runtime reports it (None on CPU)."""
     executes: bool
@@ -386,6 +391,7 @@ def _serve(
             target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
             device_count=mesh.size if mesh is not None else 1,
             mesh=dict(mesh.shape) if mesh is not None else None,
+            device_order=device_order(mesh),
             memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
             workload_fingerprint=workload.fingerprint(),
             program_fingerprint=traced.fingerprint,
@@ -394,7 +400,7 @@ def _serve(
             sharding_digest=_sharding_digest(workload, mesh),
             workload_note=workload.note(),
             compiler_options=json.dumps({
-                "options": compiler_options(target.platform == "cpu"),
+                "options": compiler_options(target.platform),
                 **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
             }, sort_keys=True),
             compiler_version=target.compiler_version(),

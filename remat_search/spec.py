@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -170,12 +171,22 @@ def _import_path(value: str | None) -> str | None:
     return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
 
 
-MeshAxis = Literal["data", "fsdp", "sequence", "tensor", "expert"]
-MESH_AXES: tuple[MeshAxis, ...] = get_args(MeshAxis)
+def _axis_name(value: str) -> str:
+    return _matching(value, r"[A-Za-z_]\w*", "a mesh axis name of letters, digits and '_' such as fsdp")
+
+
+MeshAxis = Annotated[str, AfterValidator(_axis_name)]
+"""A mesh axis: any name (MaxText's rules name 12: ``stage``, ``context``, ``tensor_transpose``, …);
+one the mesh does not list is there at size 1."""
+MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
+"""The axes the built-in workloads know (the batch over ``data`` and ``fsdp``, the state over
+``fsdp``), in the order a mesh lays them out, first (MaxText's order of them); other axes follow
+in the order the spec writes them."""
 AxisRules = tuple[tuple[str, MeshAxis | tuple[MeshAxis, ...] | None], ...]
 """Logical axis rules, Flax's form: ``[[logical name, mesh axis (or a list of them, or null)], ...]``,
 e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's logical names
-(``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto ``spec.mesh``'s axes."""
+(``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto mesh axes; an axis that
+``spec.mesh`` does not list is at size 1 (not split over)."""
 
 
 class NnxConfig(_WorkloadConfig):
@@ -473,10 +484,12 @@ class SearchSpec(_Frozen):
     target: TargetConfig = "local"
     mesh: dict[MeshAxis, PositiveInt] | None = None
     """Device mesh, e.g. ``{data: 2, fsdp: 4}``: the built-in workloads put the batch over
-    ``data`` and ``fsdp``, and parameters and optimizer state over ``fsdp``; ``sequence``,
-    ``tensor`` and ``expert`` are for a workload's own shardings (it gets the mesh from
-    :meth:`Workload.use_mesh`). Default: all of a TPU target's chips on ``data``; for
-    ``local``, no mesh (one device)."""
+    ``data`` and ``fsdp``, and parameters and optimizer state over ``fsdp``; other axes
+    (``tensor``, or any a model's rules name) are for a workload's own shardings (it gets the
+    mesh from :meth:`Workload.use_mesh`); an axis the model names and the mesh leaves out is
+    there at size 1. Axes are laid out as :data:`MESH_AXES` says, and the target's devices over
+    them as ``jax.make_mesh`` orders them (``target.make_mesh``). Default: all of a TPU
+    target's chips on ``data``; for ``local``, no mesh (one device)."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     worker_memory: Bytes | None = None
@@ -521,6 +534,16 @@ class SearchSpec(_Frozen):
     @classmethod
     def _study_name(cls, value: str) -> str:
         return check_study_name(value)
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _axis_names(cls, value: Any) -> Any:
+        """A bad axis name told as ``spec.mesh: …``, not at a key's inner location."""
+        for axis in value if isinstance(value, dict) else ():
+            if not isinstance(axis, str):
+                raise ValueError(f"expected a mesh axis name such as fsdp, got {axis!r}")
+            _axis_name(axis)
+        return value
 
     @model_validator(mode="after")
     def _nested_needs_unrolled(self) -> SearchSpec:

@@ -27,7 +27,7 @@ from remat_search.units import format_bytes, size_argument
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.
 IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
-DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "workload_fingerprint")
+DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "device_order", "workload_fingerprint")
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
 SETTINGS_FIELDS = ("timing", "worker_memory", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
 SETTINGS_ATTR = "settings"
@@ -115,6 +115,8 @@ def as_written_now(key: str, stored: Any) -> Any:
     """A stored identity field (``workload``, ``space``, …) read and written again as this
     version writes it, so a field added since, at its default, does not make it differ; as
     stored where it does not read (another version's form, which then differs)."""
+    if key == "device" and isinstance(stored, dict):
+        return {"device_order": None, **stored}  # stored before the field: the devices' own order
     if key not in ("workload", "space", "target", "mesh") or stored is None:
         return stored
     stored = as_stored(key, stored)

@@ -24,7 +24,7 @@ from remat_search.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plan import RematPlan
-from remat_search.spec import MESH_AXES, FactoryConfig, WorkloadConfig
+from remat_search.spec import FactoryConfig, WorkloadConfig
 
 if TYPE_CHECKING:
     import jax
@@ -128,6 +128,14 @@ class Workload(abc.ABC):
         it from the model's sharding metadata; a factory's workload may return its own."""
         return None
 
+    def rule_axes(self) -> frozenset[str] | None:
+        """The mesh axes the spec's ``workload.logical_axis_rules`` map onto, for a model whose
+        partitioning is read with them (linen, nnx): a name in it that is neither one of these
+        nor an axis of the mesh is a logical name the rules leave unmapped, an error. None (the
+        default, a factory's workload, which maps its own names): every name is a mesh axis,
+        at size 1 where the mesh leaves it out."""
+        return None
+
     def input_shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
         """The shardings the step takes ``(state, batch)`` in: :meth:`shardings`, but with the
         parameters' stored shardings (and their optimizer state's) where a ``params_from``
@@ -190,7 +198,7 @@ class Workload(abc.ABC):
         own = self.param_partitioning()
         if own is None:
             return jax.tree.map(state_spec, (params, opt_state)), jax.tree.map(batch_spec, batch)
-        param_shardings = _own_shardings(mesh, own, params)
+        param_shardings = _own_shardings(mesh, own, params, self.rule_axes())
         structure = jax.tree.structure(params)
 
         def mirrored(sub: PyTree) -> PyTree:  # an optimizer's moments mirror the parameters
@@ -267,11 +275,12 @@ def split_batch_over(mesh: Mesh | None) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
 
 
-def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree) -> PyTree:
-    """``NamedSharding``s of ``params`` from a model's ``PartitionSpec`` s (one per leaf): a
-    name that is no mesh axis is a :class:`WorkloadError` (an unmapped logical name); axes
-    the mesh lacks are left out (the model's run on such a mesh is not split over them); a
-    dimension the mesh's axes do not divide is a :class:`SpecError` naming the parameter."""
+def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree, rule_axes: frozenset[str] | None) -> PyTree:
+    """``NamedSharding``s of ``params`` from a model's ``PartitionSpec`` s (one per leaf): axes
+    the mesh lacks are left out (at size 1: the model's run on such a mesh is not split over
+    them); where the spec's rules map the names (``rule_axes``, see :meth:`Workload.rule_axes`),
+    a name neither they nor the mesh have is a :class:`WorkloadError` (an unmapped logical
+    name); a dimension the mesh's axes do not divide is a :class:`SpecError` naming the parameter."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -280,12 +289,13 @@ def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree) -> PyTree:
         dims = []
         for d, entry in enumerate(tuple(spec) + (None,) * (a.ndim - len(spec))):
             named = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            unknown = [x for x in named if x not in MESH_AXES]
+            unknown = [x for x in named if rule_axes is not None and x not in mesh.shape and x not in rule_axes]
             if unknown:
+                mapped = ", ".join(sorted(rule_axes or ())) or "none"
                 raise WorkloadError(
                     f"workload.logical_axis_rules: the model partitions parameter {jax.tree_util.keystr(path)} over "
-                    f"{unknown[0]!r}, which is no mesh axis ({', '.join(MESH_AXES)}); map its logical names onto "
-                    "the mesh: [[name, mesh axis or null], ...]"
+                    f"{unknown[0]!r}, which is no mesh axis (spec.mesh has {', '.join(mesh.axis_names)}; the rules "
+                    f"map onto {mapped}); map its logical names onto mesh axes: [[name, mesh axis or null], ...]"
                 )
             axes = tuple(x for x in named if x in mesh.shape)
             ways = math.prod(mesh.shape[x] for x in axes)
@@ -340,6 +350,13 @@ def traced_names(jaxpr: Any) -> frozenset[str]:
                 if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
                     found |= traced_names(sub)
     return frozenset(found)
+
+
+def rule_targets(rules: Any) -> frozenset[str]:
+    """The mesh axes logical axis ``rules`` (:data:`~remat_search.spec.AxisRules`) map onto."""
+    return frozenset(
+        axis for _, target in rules or () for axis in ((target,) if isinstance(target, str) else target or ())
+    )
 
 
 def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | None:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import jax
 import pytest
 
 import remat_search
@@ -64,7 +65,8 @@ def test_run_and_show_say_the_shardings_came_from_the_model(tmp_path: Path, stor
     ))
     result = cli("run", str(spec))
     assert result.exit_code == 0, result.output
-    line = "shardings over mesh {'fsdp': 2, 'tensor': 2}: the model's own partitioning of its parameters"
+    line = ("shardings over mesh {'fsdp': 2, 'tensor': 2} of devices [0, 1, 3, 2] (jax.make_mesh's order): "
+            "the model's own partitioning of its parameters")
     assert line in result.stdout
     shown = cli("show", "--study", "tiny", "--storage", storage_url)
     assert shown.exit_code == 0 and line in shown.stdout, shown.output
@@ -82,7 +84,7 @@ def test_the_heuristic_is_named_where_the_model_has_no_partitioning(storage_url:
     (LINEN, ("workload.logical_axis_rules: the model partitions its parameters by logical names "
              "['embed', 'mlp', 'vocab']; map them onto the mesh")),
     (NNX, ("workload.logical_axis_rules: the model partitions parameter ['blocks'][0]['wi']['kernel'] over 'embed', "
-           "which is no mesh axis")),
+           "which is no mesh axis (spec.mesh has fsdp, tensor; the rules map onto none)")),
 ], ids=["linen", "nnx"])
 def test_logical_names_without_rules_are_one_line_errors_and_nothing_is_written(
     tmp_path: Path, storage_url: str, cli: Any, config: dict[str, Any], message: str
@@ -122,11 +124,12 @@ def test_the_models_own_activation_constraints_apply_while_its_step_is_traced() 
 
 
 @pytest.mark.parametrize(("workload", "field"), [
-    ({**LINEN, "logical_axis_rules": [["embed", "tensr"]]}, "spec.workload.logical_axis_rules.0.1"),
+    ({**LINEN, "logical_axis_rules": [["embed", "ten sr"]]},
+     "spec.workload.logical_axis_rules.0.1: expected a mesh axis name of letters, digits and '_' such as fsdp, got 'ten sr'"),
     ({**NNX, "logical_axis_rules": "embed: fsdp"}, "spec.workload.logical_axis_rules: Input should be a valid tuple"),
     ({"kind": "transformer", "layers": 2, "d_model": 32, "heads": 2, "d_ff": 64, "seq_len": 32, "batch": 4,
       "vocab": 64, "attention": "fast"}, "spec.workload.attention"),
-], ids=["unknown-mesh-axis", "not-a-list", "attention"])
+], ids=["bad-mesh-axis", "not-a-list", "attention"])
 def test_bad_rules_or_attention_are_one_line_errors_and_nothing_is_written(
     tmp_path: Path, storage_url: str, cli: Any, workload: dict[str, Any], field: str
 ) -> None:
@@ -151,3 +154,51 @@ def test_the_measurement_cache_keys_on_the_shardings() -> None:
                         shardings="the model's own partitioning of its parameters", sharding_digest=digest)
     other = device.model_copy(update={"sharding_digest": "0" * 16})
     assert cache_key(device, "p") != cache_key(other, "p")
+
+
+# MaxText's way: rules naming every axis it knows (12), each name mapped onto several; on a mesh
+# of fsdp and tensor alone they split the kernels as RULES does, the other axes at size 1.
+TWELVE_AXES_RULES = [
+    ["batch", ["data", "stage", "fsdp", "fsdp_transpose", "expert"]],
+    ["embed", ["fsdp", "fsdp_transpose", "sequence", "context", "expert"]],
+    ["mlp", ["tensor", "tensor_transpose", "tensor_sequence", "autoregressive"]],
+    ["vocab", ["context_autoregressive"]],
+]
+
+
+@pytest.mark.parametrize("config", [LINEN, NNX], ids=["linen", "nnx"])
+def test_rules_may_name_the_axes_a_model_names_those_the_mesh_lacks_at_size_1(
+    storage_url: str, config: dict[str, Any]
+) -> None:
+    axes = {a for _, target in TWELVE_AXES_RULES for a in target}
+    assert len(axes) == 12
+    spec = parse_spec(spec_dict(storage_url, workload={**config, "logical_axis_rules": TWELVE_AXES_RULES},
+                                target={"platform": "tpu", "topology": "v5e:2x2"}, mesh=MESH))
+    mesh = target_of(V5E).mesh(spec.mesh)
+
+    def specs(workload_config: Any) -> list[str]:
+        workload = build_workload(workload_config)
+        workload.use_mesh(mesh)
+        return [str(s.spec) for s in jax.tree.leaves(workload.input_shardings(mesh))]
+
+    assert specs(spec.workload) == specs(spec.workload.model_copy(update={"logical_axis_rules": RULES}))
+
+
+def test_a_factorys_axes_the_mesh_lacks_are_size_1_and_no_error_names_a_field_it_lacks() -> None:
+    """A factory maps its own logical names (MaxText's rules name 12 axes): whatever mesh axes
+    its partitioning names, those the spec's mesh leaves out are not split over."""
+    from jax.sharding import PartitionSpec as P
+
+    from remat_search.spec import MlpConfig
+    from tests.workloads import TensorParallelMlp
+
+    class Staged(TensorParallelMlp):
+        def param_partitioning(self) -> Any:
+            return [{"wi": P("stage", ("tensor", "tensor_transpose")), "wo": P("tensor", "context")}
+                    for _ in range(self.layers)]
+
+    workload = Staged(MlpConfig(kind="mlp", layers=2, width=64, hidden=256, batch=8))
+    mesh = target_of(V5E).mesh({"data": 2, "tensor": 2})
+    workload.use_mesh(mesh)
+    (params, _), _ = workload.input_shardings(mesh)
+    assert [str(p.spec) for p in jax.tree.leaves(params)] == ["P(None, 'tensor')", "P('tensor', None)"] * 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import pytest
 
 from remat_search import RunError, SpecError, cache
@@ -42,7 +43,9 @@ def test_a_target_names_its_devices_and_meshes_them(target: Target) -> None:
     assert devices and {d.platform for d in devices} == {target.platform}
     assert target.name == ("local" if target.executes else EXAMPLES[type(target)].topology)
     mesh = target.mesh({"data": len(devices)})
-    assert dict(mesh.shape) == {"data": len(devices)} and list(mesh.devices.flat) == devices
+    assert dict(mesh.shape) == {"data": len(devices)} and sorted(mesh.devices.flat, key=lambda d: d.id) == devices
+    # placed as jax.make_mesh places them (over a TPU topology's links: not in id order)
+    assert mesh.devices.tolist() == jax.make_mesh(mesh.devices.shape, ("data",), devices=devices).devices.tolist()
     default = target.mesh(None)
     assert default is None or default.size == len(devices)
     with pytest.raises(SpecError, match=r"spec\.mesh: .* spans"):

@@ -1,6 +1,6 @@
 import pytest
 
-from remat_search.units import format_bytes, parse_bytes, parse_seconds, size_argument
+from remat_search.units import format_bytes, format_seconds, parse_bytes, parse_seconds, size_argument
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,17 @@ def test_format_bytes() -> None:
                                          (1001, "1001"), (40 * 2**20 + 1, "41943041")])
 def test_size_argument_is_exact_and_short(n: int, text: str) -> None:
     assert size_argument(n) == text and parse_bytes(text) == n
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.000388, "0.388 ms"), (0.000439, "0.439 ms"), (0.0612, "61.2 ms"), (0.695, "695 ms"),
+    (0.0099, "9.90 ms"), (1.234, "1.23 s"), (12.34, "12.3 s"), (1234.0, "1234 s"), (0.0, "0.00 ms"),
+])
+def test_format_seconds_shows_three_significant_digits(seconds: float, text: str) -> None:
+    assert format_seconds(seconds) == text
+
+
+def test_step_times_a_few_percent_apart_print_apart() -> None:
+    """Estimated TPU step times of 0.388–0.439 ms all printed "0.4 ms" (issue 23)."""
+    times = [0.000388, 0.000401, 0.000412, 0.000425, 0.000439]
+    assert len({format_seconds(t) for t in times}) == len(times)
