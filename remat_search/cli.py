@@ -522,7 +522,7 @@ def confirm(
         min=0, metavar="N",
         help="Race at most N times: while a plan not re-timed ranks first by its search time, re-time it with "
              "the others in a new session.",
-    )] = 10,
+    )] = 10,  # confirm.races' default
     storage: StorageOption = None,
 ) -> None:
     """Re-time the fastest plans that fit, interleaved, and rank them by those medians.

@@ -33,7 +33,7 @@ from remat_search.results import (
     study_report,
 )
 from remat_search.runner import Runner
-from remat_search.spec import HeartbeatConfig
+from remat_search.spec import ConfirmConfig, HeartbeatConfig
 from remat_search.store import ANCHOR_ATTR, CONFIRMATION_ATTR, SETTLED_ATTR, load_study, open_storage, translate_errors
 from remat_search.study import Progress, ProgressCallback, resolve_budget, runner_for, spec_of_study
 
@@ -123,8 +123,8 @@ def _is_preset(plan: RematPlan | None) -> bool:
     return plan is not None and plan.layout == "flat" and plan.is_uniform
 
 
-RACES = 10
-"""How many new leaders one confirmation re-times at most (``confirm.races``)."""
+RACES = ConfirmConfig().races
+"""How many times one confirmation races at most (``confirm.races``)."""
 
 
 def confirm(
@@ -143,7 +143,7 @@ def confirm(
     its one search time, would then be the answer without ever being re-timed. Only the latest
     session is kept, holding every plan an earlier one re-timed, so that the budgets settled
     before stay settled; the :class:`~remat_search.results.Settlement` records the budgets and
-    those where ``races`` ran out first. A stored session that already settles ``budget`` with
+    those where ``races`` ran out first. A stored session that already settled ``budget`` with
     at least ``rounds`` rounds is kept as it is (re-running a finished search costs nothing).
     Fewer than two plans that fit: nothing to order, nothing re-timed.
 
@@ -177,12 +177,11 @@ def _race(
     before = settlement(study.user_attrs)
     budgets = sorted({*before.budgets, budget})
     numbers = {t.number for t in chosen}
-    kept = [t for t in report.timed() if t.number in done and t.number not in numbers]  # an earlier session's
+    kept = [t for t in report.timed() if t.number in done and t.number not in numbers]  # the last session's others
     plans = [*chosen, *kept]
     sessions = {done[t.number].session for t in chosen if t.number in done}
-    if (
-        budget in before.budgets and len(sessions) == 1 and all(t.number in done and done[t.number].rounds >= rounds for t in chosen)
-    ):
+    enough = all(t.number in done and done[t.number].rounds >= rounds for t in chosen)
+    if budget in before.budgets and budget not in before.exhausted and len(sessions) == 1 and enough:
         stored = min(done[t.number].rounds for t in chosen)
         tell(Progress(event="confirmed", plans=len(done), rounds=stored, reused=True))
         return report
@@ -192,16 +191,17 @@ def _race(
         tell(Progress(event="confirm", plans=len(plans), rounds=rounds, race=race))
         session = _retime(study, runner, plans, anchor, budget=largest, rounds=rounds, warmup=warmup)
         report = study_report(study)
-        leaders = {leader.number: leader for b in budgets if (leader := _leader(report, b)) is not None}
-        new = [t for t in leaders.values() if t.confirmed is None]
-        if not new:
+        leaders = {b: leader for b in budgets if (leader := _leader(report, b)) is not None}
+        unsettled = [b for b, leader in leaders.items() if leader.confirmed is None]
+        if not unsettled:
             break
         if race == races:  # out of races: these budgets' answers were timed by the search only
-            exhausted = tuple(b for b in budgets if (leader := _leader(report, b)) and leader.confirmed is None)
-            study.set_user_attr(SETTLED_ATTR, Settlement(budgets=tuple(budgets), exhausted=exhausted, session=session).model_dump())
+            study.set_user_attr(
+                SETTLED_ATTR, Settlement(budgets=tuple(budgets), exhausted=tuple(unsettled), session=session).model_dump()
+            )
             tell(Progress(event="confirmed", plans=len(plans), rounds=rounds, race=race, exhausted=True))
             return study_report(study)
-        plans += new
+        plans += {leaders[b].number: leaders[b] for b in unsettled}.values()
     study.set_user_attr(SETTLED_ATTR, Settlement(budgets=tuple(budgets), session=session).model_dump())
     tell(Progress(event="confirmed", plans=len(plans), rounds=rounds, race=race))
     return study_report(study)

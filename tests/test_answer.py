@@ -99,6 +99,9 @@ def test_out_of_races_the_answer_says_it_was_not_re_timed(tmp_path: Path, storag
     shown = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
     assert shown.exit_code == 0
     assert "not re-timed: the confirmation's race budget ran out" in " ".join(shown.stderr.split())
+    further = cli("confirm", "--study", "tiny", "--storage", storage_url, "--top", "2", "--rounds", "3", "--no-presets")
+    assert further.exit_code == 0 and "race 1:" in further.stdout  # races on, not the stored session
+    assert remat_search.best_plan("tiny", "1GiB", storage_url).time_source == "confirmed"
 
 
 def test_another_budget_says_whether_its_answer_was_re_timed_and_confirm_settles_it(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
