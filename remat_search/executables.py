@@ -184,7 +184,7 @@ class Executables:
         text, cost = compiled.as_text(), _cost(compiled)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
-            memory=MemoryBreakdown.of(compiled, trust_compiler_peak=not self.cpu), cost=cost,
+            memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
             program=program_digest(text), estimate=None if self.target.executes else self.target.estimate(text, cost),
         )
 

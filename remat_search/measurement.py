@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from remat_search.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 6
+MEASUREMENT_SCHEMA = 7
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -31,7 +31,9 @@ whole-program roofline beside it. 5: that model prices a slice or an in-place up
 of the buffer it touches, and the built-in transformer splits each layer's activations over the
 batch axes explicitly (a scanned model's program changed). 6: a loop whose body advances its
 counter by more than 1 (the TPU compiler's windowed matmuls over an FSDP gather: 2) is counted
-that many times fewer."""
+that many times fewer. 7: on TPU the peak is the compiler's ``peak_memory_in_bytes``, not the larger
+of it and the breakdown sum (the compiler's out-of-memory verdict holds to it; see
+``MemoryBreakdown.peak``), and the breakdown keeps the platform it was compiled for."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 
@@ -55,16 +57,21 @@ class MemoryBreakdown(BaseModel):
     the compiler says none (and in measurements made before these were kept)."""
     compiler_peak: int | None = None
     """``peak_memory_in_bytes``: reported on TPU (and GPU); on CPU a constant, so not kept."""
+    platform: Literal["cpu", "gpu", "tpu"] | None = None
+    """What the program was compiled for, which decides the :attr:`peak` rule; None in
+    measurements made before it was kept (schema 6 and before: the larger figure, as then)."""
 
     @classmethod
-    def of(cls, compiled: Any, *, trust_compiler_peak: bool) -> MemoryBreakdown:
-        """Read the breakdown of a ``jax.stages.Compiled``."""
+    def of(cls, compiled: Any, *, platform: str) -> MemoryBreakdown:
+        """Read the breakdown of a ``jax.stages.Compiled`` compiled for ``platform`` (as
+        ``jax.Device.platform`` names it)."""
         m = compiled.memory_analysis()
         fields = ("argument", "output", "alias", "temp", "generated_code")
         return cls(
             **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
             **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields},
-            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if trust_compiler_peak else None,
+            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if platform != "cpu" else None,
+            platform=platform if platform in ("cpu", "gpu", "tpu") else None,
         )
 
     @computed_field  # type: ignore[prop-decorator]
@@ -81,15 +88,38 @@ class MemoryBreakdown(BaseModel):
 
     @computed_field  # type: ignore[prop-decorator]
     @property
+    def unreported(self) -> tuple[str, ...]:
+        """The figures ``memory_analysis()`` gave as zero or negative where a training step
+        has some: ``temp`` (a step has temporaries), ``argument``, any negative field, and the
+        compiler's peak where it is read (``peak``). A known JAX issue on TPU (jax#12848) and GPU
+        (jax#18954): the TPU compiler reports ``temp = 0`` for some programs."""
+        fields = {"argument": self.argument, "temp": self.temp}
+        negative = {f: getattr(self, f) for f in ("output", "alias", "generated_code")}
+        bad = [f for f, v in fields.items() if v <= 0] + [f for f, v in negative.items() if v < 0]
+        return tuple(bad) + (("peak",) if self.compiler_peak is not None and self.compiler_peak <= 0 else ())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def peak(self) -> int:
-        """Peak device bytes of one step: the larger of the breakdown sum and the compiler's peak."""
-        return max(self.breakdown_sum, self.compiler_peak or 0)
+        """Peak device bytes of one step, the figure the budget is checked against.
+
+        On TPU the compiler's peak: the TPU compiler's own out-of-memory verdict holds to it
+        (``benchmarks/tpu_peak_rule.py``: at every batch it fitted, the compiler's peak was
+        within the chip's HBM, where the breakdown sum was over it at some), and it stands
+        where the breakdown's temp reads 0; the breakdown sum where the compiler's peak
+        itself is unreported (0 or negative). Elsewhere the larger of the breakdown sum and
+        the compiler's peak (CPU: the breakdown sum, matched to the byte; the compiler's peak
+        is not kept)."""
+        return self.compiler_peak if self.peak_source == "compiler_peak" and self.compiler_peak else self.breakdown_sum
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def peak_source(self) -> Literal["breakdown_sum", "compiler_peak"]:
-        """Which figure :attr:`peak` is (the budget is checked against the larger)."""
-        return "compiler_peak" if (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
+        """Which figure :attr:`peak` is (see there)."""
+        read = self.compiler_peak is not None and self.compiler_peak > 0
+        if self.platform == "tpu":
+            return "compiler_peak" if read else "breakdown_sum"
+        return "compiler_peak" if read and (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
 
 
 class RawMeasurement(BaseModel):

@@ -401,6 +401,16 @@ def eta_text(s: StudySummary) -> str:
     return "finished" if s.total is not None and s.done >= s.total else "—"
 
 
+def _unreported_line(mem: MemoryBreakdown) -> str:
+    """What ``show`` says of a breakdown whose figures ``memory_analysis()`` gave as 0 or less."""
+    names = ", ".join("peak_memory_in_bytes" if f == "peak" else f"{f}_size_in_bytes" for f in mem.unreported)
+    fell_back = "the compiler's peak" if mem.peak_source == "compiler_peak" else "the breakdown sum"
+    return (
+        f"  memory_analysis() gave {names} as 0 or less (a known JAX issue on TPU, jax#12848): "
+        f"not what the step holds, so the peak is {fell_back}"
+    )
+
+
 def describe_trial(t: TrialResult) -> str:
     """A multi-line account of one trial: per-layer plan and the whole measurement."""
     from remat_search.measurement import relative_spread
@@ -422,6 +432,8 @@ def describe_trial(t: TrialResult) -> str:
             f"{format_bytes(mem.alias)} + temp {format_bytes(mem.temp)} + code {format_bytes(mem.generated_code)}"
             + (f"; compiler peak {format_bytes(mem.compiler_peak)}" if mem.compiler_peak is not None else "")
         )
+        if mem.unreported:
+            lines.append(_unreported_line(mem))
         if mem.host_total or mem.host_temp:
             lines.append(
                 f"  host memory, from the compiler: {format_bytes(mem.host_total)}: argument "

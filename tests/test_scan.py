@@ -34,7 +34,7 @@ def _peak(workload: Workload, plan: RematPlan) -> int:
     compiled = workload.step(plan).lower(*workload.abstract_inputs()).compile(
         compiler_options=CPU_COMPILER_OPTIONS
     )
-    return MemoryBreakdown.of(compiled, trust_compiler_peak=False).peak
+    return MemoryBreakdown.of(compiled, platform="cpu").peak
 
 
 def _stack_layers(tree: dict[str, Any], layers: int) -> dict[str, Any]:
