@@ -23,7 +23,6 @@ is a failed check.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 from pathlib import Path
 from typing import Literal
 
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from remat_search.cache import measurements
 from remat_search.errors import StorageError
 from remat_search.liveness import host_name, orphaned
-from remat_search.runner import Runner
+from remat_search.runner import Runner, installed_versions
 from remat_search.spec import HeartbeatConfig, MlpConfig
 from remat_search.store import (
     HOST_ATTR,
@@ -246,12 +245,7 @@ def _time(value: object) -> datetime.datetime:
 
 def _backend_checks() -> list[Check]:
     """JAX's backend and devices, the plugins installed, the device's and the host's memory."""
-    plugins = []
-    for name in PLUGINS:
-        try:
-            plugins.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    plugins = installed_versions(PLUGINS)
     installed = f"; installed: {', '.join(plugins)}" if plugins else "; no TPU or GPU plugin installed"
     try:  # a worker as a search starts one, on the smallest workload: the backend a search gets
         with Runner(PROBE_WORKLOAD, timeout=60) as runner:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Self
@@ -118,14 +119,18 @@ def compiler_packages(platform: str) -> str:
     """The versions of what compiles plans for ``platform`` here, as ``name version`` pairs:
     jaxlib (XLA, whose CPU compiler it carries), libtpu for TPU, the CUDA plugin for GPU, each
     where installed. A measurement or reference made with other versions is not reused."""
-    names = ["jaxlib", *{"tpu": ("libtpu",), "gpu": CUDA_PLUGINS}.get(platform, ())]
+    return ", ".join(installed_versions(["jaxlib", *{"tpu": ("libtpu",), "gpu": CUDA_PLUGINS}.get(platform, ())]))
+
+
+def installed_versions(names: Iterable[str]) -> list[str]:
+    """``name version`` of each of the packages ``names`` that is installed here."""
     found = []
     for name in names:
         try:
             found.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             pass
-    return ", ".join(found)
+    return found
 
 
 def reference_parts(info: DeviceInfo, layers: int) -> dict[str, Any]:
