@@ -140,12 +140,13 @@ def test_a_rerun_and_a_confirm_say_the_stored_results_are_reused(cli, tiny_searc
     rerun = cli("run", str(tiny_search[1]))
     assert rerun.exit_code == 0, rerun.stdout + rerun.stderr
     assert "all 6 trials of the spec are stored: nothing to measure" in rerun.stdout
-    reused = "confirmation: these 2 plans were re-timed together before (2 rounds): their stored times stand"
-    assert reused in rerun.stdout and "trial 0" not in rerun.stdout
+    # 2 plans, or more where the search's confirmation raced (a plan it had not re-timed ranked first)
+    reused = re.compile(r"confirmation: these \d+ plans were re-timed together before \(2 rounds\): their stored times stand")
+    assert reused.search(rerun.stdout) and "trial 0" not in rerun.stdout
     confirm = cli("confirm", "--study", "tiny", "--top", "2", "--rounds", "2", "--no-presets",
                   "--storage", spec["storage"])
     assert confirm.exit_code == 0, confirm.stdout + confirm.stderr
-    assert confirm.stdout.startswith(reused), confirm.stdout
+    assert reused.match(confirm.stdout), confirm.stdout
 
 
 def test_in_a_terminal_the_bar_shows_the_plan_being_measured(
@@ -161,4 +162,5 @@ def test_in_a_terminal_the_bar_shows_the_plan_being_measured(
     out = search.communicate(timeout=300)[0]
     assert search.returncode == 0, out
     assert re.search(r"trial 6: (compiling and timing|reusing the measurement of) [\w×. ]+", out), out
-    assert "confirming 3 plans × 2 rounds" in out  # one more than the 2 confirmed before: all re-timed
+    session = re.search(r"confirming (\d+) plans × 2 rounds", out)  # the top 3 and any plan re-timed before
+    assert session and int(session[1]) >= 3, out  # one more than the 2 confirmed before: all re-timed

@@ -177,7 +177,7 @@ def test_on_cpu_the_memory_optimised_scheduler_shows_remat_s_savings() -> None:
 
     def peak(policy: str, options: dict[str, str] | None) -> int:
         lowered = workload.step(rs.RematPlan.uniform(policy, workload.layers)).lower(*workload.abstract_inputs())
-        return rs.MemoryBreakdown.of(lowered.compile(compiler_options=options), trust_compiler_peak=False).peak
+        return rs.MemoryBreakdown.of(lowered.compile(compiler_options=options), platform="cpu").peak
 
     by_default = peak("none", None) - peak("full", None)
     optimised = peak("none", rs.compiler_options("cpu")) - peak("full", rs.compiler_options("cpu"))
@@ -199,4 +199,4 @@ def test_a_step_compiled_with_compiler_options_has_the_study_s_memory_to_the_byt
     compiled = lowered.compile(compiler_options=rs.compiler_options(jax.default_backend()))
     (trial,) = report.trials
     assert trial.measurement is not None
-    assert rs.MemoryBreakdown.of(compiled, trust_compiler_peak=False) == trial.measurement.memory
+    assert rs.MemoryBreakdown.of(compiled, platform="cpu") == trial.measurement.memory

@@ -183,7 +183,9 @@ def test_a_factory_beside_the_spec_imports_in_the_search_and_its_worker(tmp_path
     assert search.returncode == 0, stdout + stderr
     assert [t.state for t in _study(url).get_trials()] == [TrialState.COMPLETE]
 
-    missing = write_spec(tmp_path / "missing.yaml", spec_dict(url, workload={"factory": "found_nowhere:make"}))
+    missing = write_spec(tmp_path / "missing.yaml", spec_dict(  # a study of its own: "tiny" has another workload
+        url, study="missing", workload={"factory": "found_nowhere:make"},
+    ))
     search = run_process("run", str(missing), stderr=subprocess.PIPE)
     stdout, stderr = search.communicate(timeout=300)
     assert search.returncode == 2 and stderr.count("\n") == 1, stderr
