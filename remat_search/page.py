@@ -193,7 +193,10 @@ _SCRIPT = """
     while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
     return i === 0 ? n.toFixed(0) + " B" : n.toFixed(1) + " " + units[i];
   };
-  const seconds = (s) => (s < 10 ? (s * 1e3).toFixed(1) + " ms" : s.toFixed(2) + " s");
+  const seconds = (s) => {  // as units.format_seconds: three significant digits, ms below a second
+    const [v, unit] = s < 1 ? [s * 1e3, " ms"] : [s, " s"];
+    return v.toFixed(v > 0 && isFinite(v) ? Math.max(0, 2 - Math.floor(Math.log10(v))) : 2) + unit;
+  };
   const duration = (s) => {  // units.format_duration
     s = Math.max(0, Math.round(s));
     if (s < 60) return s + " s";
