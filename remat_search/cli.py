@@ -519,7 +519,7 @@ def confirm(
         bool, typer.Option(help="Also re-time every uniform plan (preset) that fits, as baselines.")
     ] = True,
     races: Annotated[int, typer.Option(
-        min=0, metavar="N",
+        metavar="N",
         help="Race at most N times: while a plan not re-timed ranks first by its search time, re-time it with "
              "the others in a new session.",
     )] = 10,  # confirm.races' default
@@ -539,6 +539,8 @@ def confirm(
 
     _quiet_optuna()
     limit = _budget(budget) if budget is not None else None
+    if races < 0:
+        raise SpecError(f"--races: expected 0 or more races, got {races}")
     with _notes():
         report, confirmed = confirm_study(
             _study(study), budget=limit, top=top, rounds=rounds, presets=presets, races=races, storage=storage,

@@ -66,6 +66,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("confirm rounds", {"confirm": {"rounds": 0}}, "spec.confirm.rounds"),
     ("confirm one plan", {"confirm": {"top": 1}}, "spec.confirm.top: 0 (skip) or at least 2"),
     ("confirm presets", {"confirm": {"presets": "maybe"}}, "spec.confirm.presets: Input should be a valid boolean"),
+    ("confirm races", {"confirm": {"races": -1}}, "spec.confirm.races: Input should be greater than or equal to 0"),
     ("timing anchor", {"timing": {"anchor": "sometimes"}}, "spec.timing.anchor: Input should be a valid boolean"),
     ("prescreen at or under the budget", {"prescreen": 1.0}, "spec.prescreen: Input should be greater than 1"),
 ]
@@ -186,7 +187,8 @@ def test_storage_comes_from_flag_then_environment_then_spec(cli, tmp_path: Path,
      (["plan", "--study", "tiny", "--budget", "lots"], "--budget: expected a positive size"),
      (["plan", "--study", "tiny", "--budget", "1GiB"], "storage: no database at"),
      (["confirm", "--study", "bad name"], "--study: expected a study name"),
-     (["confirm", "--study", "tiny", "--budget", "0"], "--budget")],
+     (["confirm", "--study", "tiny", "--budget", "0"], "--budget"),
+     (["confirm", "--study", "tiny", "--races", "-1"], "--races")],
 )
 def test_queries_reject_bad_flags_and_write_nothing(cli, tmp_path: Path, storage_url: str, args: list[str], field: str) -> None:  # type: ignore[no-untyped-def]
     _assert_rejected(cli(*args, "--storage", storage_url), field, tmp_path)
