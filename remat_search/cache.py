@@ -26,7 +26,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ import sqlalchemy as sa
 from remat_search.measurement import Measurement, RawMeasurement
 from remat_search.runner import DeviceInfo
 from remat_search.spec import MESH_AXES
+from remat_search.store import host_name
 
 metadata = sa.MetaData()
 measurements = sa.Table(
@@ -174,7 +174,7 @@ def confirmation_claim(engine: sa.Engine, study: str, *, interval: float, grace:
     monotonic clock measures it, is dead and its claim is taken over. No two hosts' clocks are
     compared."""
     key = hashlib.sha256(f"confirm\0{study}".encode()).hexdigest()
-    me = f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex[:8]}"
+    me = f"{host_name()} {os.getpid()} {uuid.uuid4().hex[:8]}"
     holder = _take_confirmation(engine, key, me, interval=interval, grace=grace)
     if holder is not None:
         yield holder.rsplit(" ", 1)[0]

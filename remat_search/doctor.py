@@ -35,13 +35,14 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.cache import measurements
 from remat_search.errors import StorageError
-from remat_search.liveness import host_name, orphaned
+from remat_search.liveness import orphaned
 from remat_search.runner import Runner, installed_versions
 from remat_search.spec import HeartbeatConfig, MlpConfig
 from remat_search.store import (
     HOST_ATTR,
     PID_ATTR,
     check_storage,
+    host_name,
     load_study,
     resolve_url,
     translate_errors,

@@ -1,7 +1,7 @@
 """Which running trials are alive: heartbeats for a study shared by several processes or hosts,
 and the recovery of trials whose process died.
 
-A search marks each trial it runs with its host (:func:`host_name`), process id and the
+A search marks each trial it runs with its host (:func:`store.host_name`), process id and the
 process's start time, and records a heartbeat of it in optuna's ``trial_heartbeats`` table every
 ``heartbeat.interval`` seconds (:class:`Heartbeats`). A running trial is dead when:
 
@@ -25,8 +25,6 @@ counted, and its plan is measured again.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import warnings
 from typing import Self
@@ -37,19 +35,9 @@ import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from remat_search.spec import HeartbeatConfig
-from remat_search.store import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR, STARTED_ATTR
+from remat_search.store import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR, STARTED_ATTR, host_name
 
 logger = logging.getLogger("remat_search")
-HOST_ENV = "REMAT_SEARCH_HOST"
-"""Overrides this host's name in the trials it marks: two processes of one machine given two
-names judge each other's trials as two hosts do, by heartbeat only (benchmarks/chaos_hosts.py)."""
-
-
-def host_name() -> str:
-    """This host's name as trials record it: ``$REMAT_SEARCH_HOST``, else the machine's."""
-    return os.environ.get(HOST_ENV) or socket.gethostname()
-
-
 def mark(trial: optuna.Trial) -> None:
     """Mark ``trial`` as run by this process on this host (see :func:`orphaned`)."""
     me = psutil.Process()

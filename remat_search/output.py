@@ -15,7 +15,7 @@ from remat_search.units import format_bytes, format_duration, format_seconds, si
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
     from remat_search.doctor import Check
-    from remat_search.measurement import RawMeasurement
+    from remat_search.measurement import MemoryBreakdown, RawMeasurement
     from remat_search.planner import Advice
     from remat_search.report import StudySummary
     from remat_search.results import Settlement, StudyReport, TrialResult

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sqlite3
 import sys
 import time
@@ -37,6 +38,18 @@ HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
 STARTED_ATTR = "pid_started"
 """When the search process (``PID_ATTR``) started: a pid the system gave to another process
 since is told apart by its start time."""
+HOST_ENV = "REMAT_SEARCH_HOST"
+"""Overrides this host's name in the trials it marks and the claims it holds: two processes of
+one machine given two names judge each other's trials as two hosts do, by heartbeat only
+(benchmarks/chaos_hosts.py)."""
+
+
+def host_name() -> str:
+    """This host's name as trials (``HOST_ATTR``) and claims record it: ``$REMAT_SEARCH_HOST``,
+    else the machine's."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
 PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
 SAME_PROGRAM_ATTR = "same_program_as"
 """``study#trial`` that measured the program this trial's plan compiled to: its measurement

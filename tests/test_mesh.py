@@ -18,7 +18,7 @@ import remat_search
 from remat_search import MemoryBreakdown, RematPlan, build_workload
 from remat_search.cache import cache_key
 from remat_search.runner import DeviceInfo
-from remat_search.spec import TpuTarget, TransformerConfig, parse_spec
+from remat_search.spec import TpuTarget, TransformerConfig
 from remat_search.target import device_order, make_mesh, target_of
 
 from .conftest import spec_dict, write_spec
