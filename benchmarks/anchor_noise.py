@@ -17,7 +17,7 @@ from pathlib import Path
 import optuna
 
 import remat_search
-from remat_search.measurement import relative_spread
+from remat_search.measure.measurement import relative_spread
 
 STUDIES = Path(__file__).resolve().parent / "results" / "studies"
 

@@ -1,6 +1,6 @@
 """The v5e write-up configuration's uniform presets with dense and with flash attention, side by
 side: per-chip peak, activations (the compiled temp bytes), estimated step (the per-instruction
-model of ``remat_search.step_time``, and the whole-program roofline beside it) and GFLOP, each
+model of ``remat_search.targets.step_time``, and the whole-program roofline beside it) and GFLOP, each
 from one ahead-of-time compile by the real TPU compiler (nothing runs; the figures are
 deterministic).
 
@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from remat_search import RematPlan, build_workload, load_spec
-from remat_search.executables import Executables, measure
-from remat_search.spec import TimingConfig
-from remat_search.target import target_of
+from remat_search.measure.executables import Executables, measure
+from remat_search.spec.models import TimingConfig
+from remat_search.targets.base import target_of
 from remat_search.units import format_bytes
 
 SPEC = Path(__file__).resolve().parents[1] / "search_spaces" / "v5e-writeup.yaml"

@@ -1,4 +1,4 @@
-"""Bad input, fuzzed at length: the strategies of ``tests/test_fuzz.py`` over ≥ 1,000 inputs.
+"""Bad input, fuzzed at length: the strategies of ``tests/search/test_fuzz.py`` over ≥ 1,000 inputs.
 
     python benchmarks/fuzz.py [INPUTS_PER_CATEGORY]     # default 250 (5 categories)
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: its strategies
 
-from tests.test_fuzz import (
+from tests.search.test_fuzz import (
     QUERIES,
     Fuzzer,
     budgets,

@@ -40,8 +40,8 @@ from search_quality import fits, markdown, presets_of
 from search_quality_tpu import compile_seconds, fresh_storage, search, versions
 
 import remat_search
-from remat_search.results import pareto
-from remat_search.spec import SearchSpec
+from remat_search.report.results import pareto
+from remat_search.spec.models import SearchSpec
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent

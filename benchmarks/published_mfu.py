@@ -41,10 +41,10 @@ from jax.ad_checkpoint import checkpoint_name
 from search_quality_tpu import fresh_storage, versions
 
 import remat_search
-from remat_search.plan import RematPlan, scan_layers
-from remat_search.spec import TpuTarget, TransformerConfig, parse_spec
-from remat_search.target import target_of
-from remat_search.transformer import TransformerWorkload, _attention, _split_batch
+from remat_search.plans.plan import RematPlan, scan_layers
+from remat_search.spec.models import TpuTarget, TransformerConfig, parse_spec
+from remat_search.targets.base import target_of
+from remat_search.workloads.transformer import TransformerWorkload, _attention, _split_batch
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ The table sets each query's own work (the library function in this process, the 
 ``--runs`` runs after one to warm up) beside reading the same study through optuna
 (``optuna.load_study(...).get_trials()``, and the report built from it, which is how the
 queries read studies before) and beside the command's wall time as a process
-(``python -m remat_search.cli ... --json``: imports included). A second table gives the
+(``python -m remat_search.cli.app ... --json``: imports included). A second table gives the
 commands' wall times at the study's own size.
 """
 
@@ -37,10 +37,10 @@ from typing import Any
 import optuna
 
 import remat_search
-from remat_search.plan import RematPlan
-from remat_search.policy import LayerPolicy
-from remat_search.results import study_report
-from remat_search.stored import open_study
+from remat_search.plans.plan import RematPlan
+from remat_search.plans.policy import LayerPolicy
+from remat_search.report.results import study_report
+from remat_search.report.stored import open_study
 from remat_search.units import format_bytes, parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def cli_seconds(args: list[str], runs: int) -> tuple[float, float]:
     times = []
     for _ in range(runs):
         begin = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "remat_search.cli", *args], env=env, cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "remat_search.cli.app", *args], env=env, cwd=REPO,
                               capture_output=True, text=True, check=False)
         times.append(time.perf_counter() - begin)
         if done.returncode not in (0, 1):

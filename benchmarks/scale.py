@@ -39,7 +39,7 @@ import optuna
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remat_search.liveness import counts
+from remat_search.store.liveness import counts
 from tests.chaos import chaos
 from tests.conftest import (
     PostgresUnavailable,

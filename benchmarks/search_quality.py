@@ -16,7 +16,7 @@ its own medians are drift-corrected ratios; but step times on a shared machine d
 tens of percent between minutes, so for the verdicts no two studies' medians compare. Instead, per budget, every plan the comparison needs — no remat,
 each uniform preset that fits, each method's answer and each plan that was ever a method's
 best so far — is re-timed *interleaved* in one worker (A B C … A B C …, ``--rounds`` times,
-see ``remat_search.confirm``), and all columns below use those medians:
+see ``remat_search.search.confirm``), and all columns below use those medians:
 
 * step: the answer's interleaved median (± half its interquartile range); vs none: its
   ratio to no remat's; the preset row is the fastest preset that fits, by these medians;
@@ -42,10 +42,10 @@ from pathlib import Path
 import optuna
 
 import remat_search
-from remat_search.confirm import compare_times
-from remat_search.executables import Executables, measure
-from remat_search.runner import Runner
-from remat_search.spec import TimingConfig, parse_spec
+from remat_search.search.confirm import compare_times
+from remat_search.measure.executables import Executables, measure
+from remat_search.measure.runner import Runner
+from remat_search.spec.models import TimingConfig, parse_spec
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -156,8 +156,8 @@ def main() -> None:
 
 
 def _no_remat_peak() -> int:
-    from remat_search.spec import TransformerConfig
-    from remat_search.transformer import TransformerWorkload
+    from remat_search.spec.models import TransformerConfig
+    from remat_search.workloads.transformer import TransformerWorkload
 
     workload = TransformerWorkload(TransformerConfig.model_validate(WORKLOAD))
     m = measure(Executables(workload), remat_search.RematPlan.uniform("none", workload.layers), budget=1,

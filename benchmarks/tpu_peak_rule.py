@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from remat_search import RematPlan, build_workload
-from remat_search.executables import Build, Executables
-from remat_search.spec import MlpConfig, NnxConfig, TpuTarget, TransformerConfig
-from remat_search.target import target_of
+from remat_search.measure.executables import Build, Executables
+from remat_search.spec.models import MlpConfig, NnxConfig, TpuTarget, TransformerConfig
+from remat_search.targets.base import target_of
 
 HERE = Path(__file__).resolve().parent
 RESOLUTION = 0.02

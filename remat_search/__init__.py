@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from remat_search.confirm import Comparison, compare_times, confirm_study
+    from remat_search.search.confirm import Comparison, compare_times, confirm_study
     from remat_search.errors import (
         NoFeasiblePlan,
         RematSearchError,
@@ -24,36 +24,36 @@ if TYPE_CHECKING:
         StorageError,
         WorkloadError,
     )
-    from remat_search.executables import compiler_options
-    from remat_search.measurement import Measurement, MemoryBreakdown
-    from remat_search.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
-    from remat_search.planner import Advice, CostModel, fit_cost_model, solve_front
-    from remat_search.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
-    from remat_search.report import best_plan, list_studies, load_report, pareto_front
-    from remat_search.results import StudyReport, TrialResult
-    from remat_search.search import plan_for_budget, run
-    from remat_search.spec import SearchSpec, load_spec
-    from remat_search.submission import Submitted, submit
+    from remat_search.measure.executables import compiler_options
+    from remat_search.measure.measurement import Measurement, MemoryBreakdown
+    from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
+    from remat_search.search.planner import Advice, CostModel, fit_cost_model, solve_front
+    from remat_search.plans.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
+    from remat_search.report.queries import best_plan, list_studies, load_report, pareto_front
+    from remat_search.report.results import StudyReport, TrialResult
+    from remat_search.search.loop import plan_for_budget, run
+    from remat_search.spec.models import SearchSpec, load_spec
+    from remat_search.search.submission import Submitted, submit
     from remat_search.units import parse_bytes
-    from remat_search.worker import work
-    from remat_search.workload import Workload, build_workload
+    from remat_search.service.worker import work
+    from remat_search.workloads.base import Workload, build_workload
 
 _API: dict[str, str] = {
-    **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.confirm"),
+    **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
     **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
-    **dict.fromkeys(('compiler_options',), "remat_search.executables"),
-    **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measurement"),
-    **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plan"),
-    **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.planner"),
-    **dict.fromkeys(('POLICIES', 'LayerPolicy', 'PolicyKind', 'checkpoint_policy', 'register_policy'), "remat_search.policy"),
-    **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report"),
-    **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.results"),
-    **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search"),
-    **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec"),
-    **dict.fromkeys(('Submitted', 'submit'), "remat_search.submission"),
+    **dict.fromkeys(('compiler_options',), "remat_search.measure.executables"),
+    **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
+    **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
+    **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.search.planner"),
+    **dict.fromkeys(('POLICIES', 'LayerPolicy', 'PolicyKind', 'checkpoint_policy', 'register_policy'), "remat_search.plans.policy"),
+    **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report.queries"),
+    **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.report.results"),
+    **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search.loop"),
+    **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec.models"),
+    **dict.fromkeys(('Submitted', 'submit'), "remat_search.search.submission"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),
-    **dict.fromkeys(('work',), "remat_search.worker"),
-    **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workload"),
+    **dict.fromkeys(('work',), "remat_search.service.worker"),
+    **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workloads.base"),
 }
 """Each public name and the module that defines it."""
 

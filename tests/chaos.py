@@ -24,9 +24,9 @@ import optuna
 import psutil
 from optuna.trial import TrialState
 
-from remat_search.liveness import counts
-from remat_search.plan import RematPlan
-from remat_search.store import MEASUREMENT_ATTR, PLAN_ATTR
+from remat_search.store.liveness import counts
+from remat_search.plans.plan import RematPlan
+from remat_search.store.storage import MEASUREMENT_ATTR, PLAN_ATTR
 
 from .conftest import REPO, run_process, spec_dict, write_spec
 
@@ -138,7 +138,7 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
     def start(host: int) -> Any:
         env = {**os.environ, "PYTHONPATH": str(REPO), "REMAT_SEARCH_HOST": f"host-{host}"}
         return subprocess.Popen(
-            [sys.executable, "-m", "remat_search.cli", "run", str(spec)], cwd=REPO, env=env, start_new_session=True,
+            [sys.executable, "-m", "remat_search.cli.app", "run", str(spec)], cwd=REPO, env=env, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 

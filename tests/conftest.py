@@ -29,8 +29,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from remat_search import output
-from remat_search.cli import app
+from remat_search.cli import output
+from remat_search.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRANSFORMER: dict[str, Any] = {
@@ -99,7 +99,7 @@ def run_process(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     """Start ``remat-search ARGS`` as a separate process (for kill -9 and resume tests)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "remat_search.cli", *args], cwd=REPO, env=env, text=True,
+        [sys.executable, "-m", "remat_search.cli.app", *args], cwd=REPO, env=env, text=True,
         **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs},
     )
 

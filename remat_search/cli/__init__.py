@@ -1,0 +1,1 @@
+"""The command line: the app, what it prints, the doctor."""

@@ -1,0 +1,1 @@
+"""Measuring a plan: compile, read memory, time, check gradients, in a worker process."""

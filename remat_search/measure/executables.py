@@ -1,0 +1,469 @@
+"""Measuring plans in a worker: compile each once, read memory from the compiler, and only
+if a plan fits, run it.
+
+:func:`measure` runs inside a worker process (see ``runner.py``) with the worker's
+:class:`Executables`, which compile each plan's step once per worker, whatever the budget.
+The peak comes from ``Compiled.memory_analysis()``; a plan whose peak exceeds the budget is
+never executed. A plan that fits runs its first step on fresh inputs, and the change that step
+makes to the training state (and its loss) is checked against the reference's first step: full
+remat, the same mathematics in the least memory, run only where it fits the budget too. That
+step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
+step of the anchor (full remat again). What was seen is a raw measurement, judged against the
+budget and the tolerance by :func:`measurement.judge`. :func:`retime` re-times kept executables
+interleaved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from remat_search.measure.artifacts import ReferenceStore
+from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
+from remat_search.plans.plan import RematPlan
+from remat_search.spec.models import TimingConfig
+from remat_search.targets.step_time import StepEstimate
+from remat_search.targets.base import LocalTarget, Target, out_of_memory
+from remat_search.units import format_bytes
+
+KEPT_EXECUTABLES = 64
+"""How many compiled steps a worker keeps (least recently used dropped first), besides the anchor."""
+
+INPUT_SEED = 0
+"""The seed of the fresh inputs every checked first step starts from (the reference's too)."""
+
+# On CPU the default (concurrency-optimised) scheduler hides what remat saves.
+CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One plan compiled for the worker's devices: what the compiler said, and the executable
+    (None where nothing runs here, or where the compiler ran out of memory)."""
+
+    executable: Any | None
+    seconds: float
+    """Lowering and compiling, in seconds."""
+    started: float = 0.0
+    """When lowering began (Unix seconds)."""
+    memory: MemoryBreakdown | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+    oom: tuple[int, int, int] | None = None
+    """(bytes needed in full, temporaries, available) from the compiler's out-of-memory error."""
+    program: str | None = None
+    """The compiled program's digest (:func:`program_digest`): plans that compile alike share
+    it (None for a program that calls back into Python)."""
+    estimate: StepEstimate | None = None
+    """The target's model of one step of it, where nothing runs (``Target.estimate``)."""
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What an executable's first step did to fresh inputs, on the host: the change to each
+    leaf of the training state (new − initial; an optimizer's moments carry the gradients),
+    and the loss."""
+
+    change: Any
+    loss: float
+
+
+class Executables:
+    """The compiled training steps of one workload in one worker process, by plan digest.
+
+    Each plan is lowered and compiled once per worker, whatever the budget: the verdict
+    against a budget reads the kept figures, and the gradient check, the timing and
+    confirmation (:func:`retime`) run the executable that was measured. The worker keeps
+    at most ``capacity`` executables, the least recently used dropped first (a plan dropped
+    and asked for again is compiled again), and the anchor's besides. Where nothing runs (a
+    TPU target compiled ahead of time) only the compiler's figures are kept. The reference's
+    first step (see :meth:`reference`) is computed at most once and kept on the host; with a
+    ``reference_store`` it is loaded from there when saved before (by this study's earlier
+    workers, or another host's), else computed and saved there. A new worker (after a crash or
+    a timeout) starts empty.
+    """
+
+    reference_from: str | None = None
+    """Where the reference came from: ``computed`` (full remat's first step ran here) or
+    ``loaded`` (from the ``reference_store``); None before it was needed."""
+
+    def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
+                 capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None) -> None:
+        self.workload, self.mesh, self.capacity = workload, mesh, capacity
+        workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
+        self.target = target or LocalTarget()
+        self.cpu = self.target.platform == "cpu"
+        self.anchor_plan = anchor_plan(workload.layers)
+        self._kept: OrderedDict[str, Build] = OrderedDict()
+        self._anchor: Build | None = None
+        self._reference: FirstStep | None = None
+        self.reference_store = reference_store
+
+    def build(self, plan: RematPlan) -> Build:
+        """``plan`` compiled: kept from before, or compiled now. Exceptions other than the
+        compiler's out-of-memory propagate (and nothing is kept)."""
+        if plan.digest == self.anchor_plan.digest:
+            if self._anchor is None:
+                self._anchor = self._compile(plan)
+            return self._anchor
+        kept = self._kept.pop(plan.digest, None) or self._compile(plan)
+        self._kept[plan.digest] = kept
+        if len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+        return kept
+
+    def anchor(self, budget: int) -> Build | None:
+        """The anchor plan compiled, or None where its peak exceeds ``budget`` (it is not run)."""
+        build = self.build(self.anchor_plan)
+        return build if build.memory is not None and build.memory.peak <= budget else None
+
+    def reference(self, budget: int) -> FirstStep | None:
+        """Full remat's first step on fresh inputs, the reference every plan's is checked
+        against; None where full remat does not fit ``budget`` (it is not run, nor loaded: the
+        verdict is the same whether it was saved or not)."""
+        anchor = self.anchor(budget)
+        if anchor is None:
+            return None
+        if self._reference is None:
+            self._reference = self._saved_reference()
+            self.reference_from = "loaded"
+        if self._reference is None:  # none saved: full remat's first step runs here
+            _, self._reference = first_step(anchor.executable, self.inputs())
+            self.reference_from = "computed"
+            if self.reference_store is not None:
+                import jax
+
+                self.reference_store.save(jax.tree.leaves(self._reference.change), self._reference.loss)
+        return self._reference
+
+    def _saved_reference(self) -> FirstStep | None:
+        """The reference from the ``reference_store``, in the training state's tree; None where
+        there is none (or none saved of this state's shapes)."""
+        import jax
+
+        if self.reference_store is None:
+            return None
+        with self.workload.tracing():
+            state, _ = self.workload.abstract_inputs()
+        leaves, treedef = jax.tree.flatten(state)
+        saved = self.reference_store.load([tuple(leaf.shape) for leaf in leaves])
+        return None if saved is None else FirstStep(change=jax.tree.unflatten(treedef, saved[0]), loss=saved[1])
+
+    def inputs(self) -> tuple[Any, Any]:
+        """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
+        import jax
+
+        with self.workload.tracing():
+            inputs = self.workload.inputs(INPUT_SEED)
+            return inputs if self.mesh is None else jax.device_put(inputs, self.workload.input_shardings(self.mesh))
+
+    def _compile(self, plan: RematPlan) -> Build:
+        workload, mesh = self.workload, self.mesh
+        started, start = time.time(), time.perf_counter()
+        with workload.tracing():
+            abstract = workload.abstract_inputs(mesh)
+            lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
+        try:
+            compiled = lowered.compile(compiler_options=compiler_options(self.target.platform) or None)
+        except Exception as e:
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
+            temp, available = oom
+            return Build(
+                None, time.perf_counter() - start, started, oom=(temp + io_bytes(lowered, abstract), temp, available)
+            )
+        text, cost = compiled.as_text(), _cost(compiled)
+        return Build(
+            compiled if self.target.executes else None, time.perf_counter() - start, started,
+            memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
+            program=program_digest(text), estimate=None if self.target.executes else self.target.estimate(text, cost),
+        )
+
+
+Known = Callable[[str], RawMeasurement | None]
+"""A raw measurement of a compiled program (by :func:`program_digest`) that may stand for a
+plan's, or None: the search asks its study and the measurement cache (``cache.lookup_program``)."""
+
+_DEBUG_SECTIONS = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n?)*", re.MULTILINE)
+_METADATA = re.compile(r',?\s*metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+_NAME = re.compile(r"%?\b([A-Za-z_][\w\-]*?)\.(\d+)\b")
+_CALLBACK = re.compile(r'custom_call_target="[^"]*callback[^"]*"')
+
+
+def program_digest(hlo: str) -> str | None:
+    """A hash (16 hex digits) of an optimized HLO module's text (``Compiled.as_text()``) that
+    two compiles of one program share: the source locations (``metadata``, the stack-frame
+    tables) are left out, and each numbered name (``%fusion.12``) is renumbered in order of
+    first appearance, per base name, since plans whose traces differ number the same
+    instructions differently. Only names defined with ``%`` are renumbered.
+
+    None for a program that calls back into Python (``jax.debug.callback``,
+    ``jax.pure_callback``): the text names the callback by its index alone, so what it does,
+    which may differ from plan to plan, is not in the text."""
+    if _CALLBACK.search(hlo):
+        return None
+    text = _METADATA.sub("", _DEBUG_SECTIONS.sub("", hlo))
+    defined = {m.group(0)[1:] for m in _NAME.finditer(text) if m.group(0).startswith("%")}
+    seen: dict[str, str] = {}
+    counts: Counter[str] = Counter()
+
+    def rename(m: re.Match[str]) -> str:
+        token = m.group(0).lstrip("%")
+        if token not in defined:
+            return m.group(0)
+        if token not in seen:
+            seen[token] = f"{m.group(1)}.{counts[m.group(1)]}"
+            counts[m.group(1)] += 1
+        return m.group(0)[: len(m.group(0)) - len(token)] + seen[token]
+
+    return hashlib.sha256(_NAME.sub(rename, text).encode()).hexdigest()[:16]
+
+
+def measure(
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    known: Known | None = None,
+) -> Measurement:
+    """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
+    only if it fits ``budget``; judge what was seen (:func:`measurement.judge`).
+
+    Over the executables' mesh inputs are sharded and memory is per device. Where the target
+    does not execute (a TPU compiled for ahead of time) nothing runs: the step time is the
+    target's estimate, whatever the budget. With ``timing.anchor`` each timed step follows one of the
+    anchor's (full remat), where the anchor fits the budget; else the plan is timed alone. A
+    plan whose first step fails the check is not timed. Exceptions other than the compiler's
+    out-of-memory propagate: the worker turns them into a failed measurement.
+
+    A plan that would run is first looked up by its compiled program (``known``, see
+    :func:`program_digest`): a measurement of the same program, by another plan, stands for
+    it, and it is neither checked nor timed again (:func:`same_program`).
+    """
+    raw = _observe(
+        executables, plan, budget=budget, timing=timing, gradient_tolerance=gradient_tolerance, known=known,
+    )
+    return judge(raw, budget=budget, gradient_tolerance=gradient_tolerance)
+
+
+def _observe(
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    known: Known | None = None,
+) -> RawMeasurement:
+    """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
+    build = executables.build(plan)
+    compiled_at = (build.started, build.started + build.seconds)
+    if build.oom is not None:
+        required, temp, available = build.oom
+        return RawMeasurement(
+            plan_digest=plan.digest, compile_seconds=build.seconds, compiled_at=compiled_at,
+            oom_required_bytes=required, oom_temp_bytes=temp, oom_available_bytes=available,
+        )
+    assert build.memory is not None
+    seen: dict[str, Any] = {
+        "plan_digest": plan.digest, "compile_seconds": build.seconds, "compiled_at": compiled_at, "memory": build.memory,
+        "flops": build.cost.get("flops"), "bytes_accessed": build.cost.get("bytes accessed"),
+        "program_digest": build.program,
+    }
+    if not executables.target.executes:
+        return RawMeasurement(
+            time_source="estimated", estimated_seconds=build.estimate.seconds if build.estimate else None,
+            estimate=build.estimate, **seen,
+        )
+    if build.memory.peak > budget:
+        return RawMeasurement(**seen)
+    found = known(build.program) if known is not None and build.program else None
+    if found is not None and found.memory == build.memory and found.program_digest == build.program:
+        return same_program(found, RawMeasurement(**seen))
+    executables.anchor(budget)  # compiled before the device is taken: compiles need not wait for it
+    with executables.target.device_lock():
+        started = time.time()
+        raw = _run(executables, build, plan, budget=budget, timing=timing, tolerance=gradient_tolerance, seen=seen)
+        return raw.model_copy(update={"ran_at": (started, time.time())})
+
+
+def _run(
+    executables: Executables, build: Build, plan: RematPlan, *, budget: int, timing: TimingConfig,
+    tolerance: float, seen: dict[str, Any],
+) -> RawMeasurement:
+    """Check ``plan``'s first step against the reference and time it, the device held."""
+    reference = executables.reference(budget)  # first, so that one training state is on the device at a time
+    inputs, warmup = executables.inputs(), timing.warmup
+    if reference is None:
+        needs = executables.build(executables.anchor_plan).memory
+        seen["grad_skipped"] = (
+            f"the reference, full remat, needs {format_bytes(needs.peak) if needs else 'more'} "
+            f"> budget {format_bytes(budget)}, and nothing over the budget is run"
+        )
+    else:
+        inputs, first = first_step(build.executable, inputs)
+        abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
+        seen.update(
+            grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full", first_loss=first.loss,
+        )
+        if not (rel_error <= tolerance and math.isfinite(first.loss)):
+            return RawMeasurement(**seen)  # failed: not timed
+        warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
+
+    anchor = executables.anchor(budget) if timing.anchor else None
+    steps = [build.executable] if anchor is None else [anchor.executable, build.executable]  # the plan's last
+    (*anchor_times, times), loss = _time_steps(steps, inputs, warmup=warmup, rounds=timing.repeats)
+    return RawMeasurement(
+        time_source="measured", step_times=times, anchor_times=anchor_times[0] if anchor_times else (),
+        loss=loss, **seen,
+    )
+
+
+def same_program(found: RawMeasurement, compiled: RawMeasurement) -> RawMeasurement:
+    """``found``, another plan's measurement of the program ``compiled`` compiled to, as the
+    measurement of ``compiled``'s plan: its run (the check, the times, the losses) stands, with
+    this compile's own figures; :attr:`~RawMeasurement.same_program_as` names the plan that ran.
+    Nothing of this plan ran, so it has no ``ran_at``."""
+    return found.model_copy(update={
+        **{f: getattr(compiled, f) for f in ("plan_digest", "compile_seconds", "compiled_at", "memory")},
+        "ran_at": None, "same_program_as": found.same_program_as or found.plan_digest,
+    })
+
+
+def retime(
+    executables: Executables, plans: list[RematPlan], *, warmup: int, rounds: int,
+    budget: int | None = None, seed: int = 0,
+) -> list[tuple[float, ...]]:
+    """Time ``plans`` interleaved, each round in an order shuffled by a ``seed``-ed generator,
+    so that a slow spell of a shared machine slows them all alike and no plan always follows
+    the same one; return each plan's step times.
+
+    The worker's kept executables run (see :class:`Executables`). One training state passes
+    from step to step (every plan's step has the same signature), so only one lives on the
+    device. A plan over ``budget``, or one that cannot run here, raises ``ValueError``: it is
+    never run. Used to confirm a search's ranking.
+    """
+    builds = [executables.build(plan) for plan in plans]
+    for plan, build in zip(plans, builds, strict=True):
+        if build.executable is None:
+            raise ValueError(f"plan {plan.summary()} cannot run here (compiled for another target, or out of memory)")
+        if budget is not None and build.memory is not None and build.memory.peak > budget:
+            raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
+    with executables.target.device_lock():
+        times, _ = _time_steps(
+            [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
+        )
+    return times
+
+
+def anchor_plan(layers: int) -> RematPlan:
+    """The plan every candidate is timed against (``timing.anchor``) and checked against:
+    full remat, which runs in the least memory of the policies that keep everything on the
+    device."""
+    return RematPlan.uniform("full", layers)
+
+
+def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any], FirstStep]:
+    """Run ``executable`` once on ``inputs`` (which it donates); the new ``(state, batch)``,
+    still on the devices, and what the step did (on the host)."""
+    import jax
+
+    state, batch = inputs
+    before = jax.device_get(state)
+    state, loss = executable(state, batch)
+    change = jax.tree.map(_change, jax.device_get(state), before)
+    return (state, batch), FirstStep(change=change, loss=float(loss))
+
+
+def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """new − initial, computed in float64 and kept as float32 (float64 for 64-bit leaves)."""
+    after = np.asarray(after)
+    delta = after.astype(np.float64) - np.asarray(before).astype(np.float64)
+    return delta if after.dtype.itemsize > 4 else delta.astype(np.float32)
+
+
+def io_bytes(lowered: Any, abstract: Any) -> int:
+    """Per-chip bytes of a lowered program's arguments and outputs, less the donated arguments
+    that outputs of the same shape alias: what the TPU compiler's out-of-memory error leaves
+    out of the bytes it needs. Logical sizes (before the TPU pads arrays to tiles)."""
+    import jax
+
+    def shard(a: Any) -> tuple[tuple[int, ...], str]:
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+        return tuple(shape), str(np.dtype(a.dtype))
+
+    def nbytes(key: tuple[tuple[int, ...], str]) -> int:
+        return math.prod(key[0]) * np.dtype(key[1]).itemsize
+
+    args = [shard(a) for a in jax.tree.leaves(abstract)]
+    donated = [info.donated for info in jax.tree.leaves(lowered.args_info)]
+    free = Counter(key for key, d in zip(args, donated, strict=True) if d)
+    total = sum(map(nbytes, args))
+    for key in (shard(o) for o in jax.tree.leaves(lowered.out_info)):
+        total += nbytes(key)
+        if free[key]:  # a donated argument's buffer holds this output
+            free[key] -= 1
+            total -= nbytes(key)
+    return total
+
+
+def _time_steps(
+    steps: list[Any], inputs: tuple[Any, Any], *, warmup: int, rounds: int, order: random.Random | None = None
+) -> tuple[list[tuple[float, ...]], float]:
+    """Run each executable in turn, ``warmup + rounds`` times, from ``inputs`` (the one state
+    the device holds: each step donates it), in the order given, or shuffled every round by
+    ``order``; the timed seconds of each, and the last loss."""
+    import jax
+
+    state, batch = inputs
+    times: list[list[float]] = [[] for _ in steps]
+    loss = None
+    for i in range(warmup + rounds):
+        turn = list(range(len(steps)))
+        if order is not None:
+            order.shuffle(turn)
+        for j in turn:
+            t0 = time.perf_counter()
+            state, loss = steps[j](state, batch)
+            jax.block_until_ready((state, loss))
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [tuple(t) for t in times], float(loss)
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+    """The compiler options remat-search compiles plans for ``platform`` (``cpu``, ``gpu``,
+    ``tpu``: ``jax.default_backend()``) with: on CPU the memory-optimised scheduler, which is
+    what shows remat's savings there (XLA's default CPU scheduler orders work for concurrency
+    and keeps what remat would free alive); none elsewhere. A training script that compiles its
+    step with them (``lowered.compile(compiler_options=...)``) gets the memory the study
+    measured for its plan, to the byte."""
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+
+
+def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
+    """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
+    arrays: gradients, or what a plan's first step did (state change and loss) against the
+    reference's. A NaN anywhere in either makes both NaN, which fails any tolerance (Python's
+    ``max`` would drop it)."""
+    import jax
+
+    abs_error = rel_error = 0.0
+    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(reference), strict=True):
+        diff = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
+        scale = float(np.max(np.abs(np.asarray(r, np.float64))))
+        if math.isnan(diff):
+            return math.nan, math.nan
+        abs_error = max(abs_error, diff)
+        rel_error = max(rel_error, diff / scale if scale > 0 else diff)
+    return abs_error, rel_error
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    """FLOPs and bytes accessed of one device's program (recomputation included)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX returns one dict per device program
+        cost = cost[0] if cost else {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if cost and k in cost}

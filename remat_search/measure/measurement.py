@@ -1,0 +1,316 @@
+"""Measurements: what the compiler and the clock said of one plan, and the verdict on it.
+
+A :class:`RawMeasurement` is what the runner saw, whatever the budget: the compiler's memory
+and cost figures (or its out-of-memory report), the seconds of the timed steps, the check of
+the first step against the reference's. :func:`judge` gives it a verdict against a budget and
+a gradient tolerance (over budget, measured or failed), making a :class:`Measurement`. The
+worker judges what it has just measured (``executables.measure``); the measurement cache keeps
+raw measurements only and judges a hit again for each study (``cache.py``), never rewriting it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from remat_search.targets.step_time import TIME_MODEL, StepEstimate
+
+MEASUREMENT_SCHEMA = 7
+"""What a measurement means, as a number the measurement cache is keyed by: bump it when that
+changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
+made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
+peaks of temporaries only. 2: the measured executable's first step checked against full
+remat's, run only within the budget; out-of-memory peaks in full. 3: the cache keeps the raw
+measurement alone (no verdict), with the last loss, and a compile-only target's estimate
+whatever the budget. 4: that estimate is the per-instruction model (``step_time``), with the
+whole-program roofline beside it. 5: that model prices a slice or an in-place update by the part
+of the buffer it touches, and the built-in transformer splits each layer's activations over the
+batch axes explicitly (a scanned model's program changed). 6: a loop whose body advances its
+counter by more than 1 (the TPU compiler's windowed matmuls over an FSDP gather: 2) is counted
+that many times fewer. 7: on TPU the peak is the compiler's ``peak_memory_in_bytes``, not the larger
+of it and the breakdown sum (the compiler's out-of-memory verdict holds to it; see
+``MemoryBreakdown.peak``), and the breakdown keeps the platform it was compiled for."""
+
+Verdict = Literal["measured", "over_budget", "failed"]
+
+
+class MemoryBreakdown(BaseModel):
+    """The compiler's memory figures for one executable, in bytes (device, then host)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+    host_argument: int = 0
+    host_output: int = 0
+    host_alias: int = 0
+    host_temp: int = 0
+    host_generated_code: int = 0
+    """Host memory, where the program puts tensors there (``offload`` on a GPU or TPU); 0 where
+    the compiler says none (and in measurements made before these were kept)."""
+    compiler_peak: int | None = None
+    """``peak_memory_in_bytes``: reported on TPU (and GPU); on CPU a constant, so not kept."""
+    platform: Literal["cpu", "gpu", "tpu"] | None = None
+    """What the program was compiled for, which decides the :attr:`peak` rule; None in
+    measurements made before it was kept (schema 6 and before: the larger figure, as then)."""
+
+    @classmethod
+    def of(cls, compiled: Any, *, platform: str) -> MemoryBreakdown:
+        """Read the breakdown of a ``jax.stages.Compiled`` compiled for ``platform`` (as
+        ``jax.Device.platform`` names it)."""
+        m = compiled.memory_analysis()
+        fields = ("argument", "output", "alias", "temp", "generated_code")
+        return cls(
+            **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
+            **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields},
+            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if platform != "cpu" else None,
+            platform=platform if platform in ("cpu", "gpu", "tpu") else None,
+        )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def breakdown_sum(self) -> int:
+        """argument + output − alias + temp + generated code."""
+        return self.argument + self.output - self.alias + self.temp + self.generated_code
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes of one step, summed as the device's: argument + output − alias + temp +
+        generated code (0 where nothing is on the host)."""
+        return self.host_argument + self.host_output - self.host_alias + self.host_temp + self.host_generated_code
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def unreported(self) -> tuple[str, ...]:
+        """The figures ``memory_analysis()`` gave as zero or negative where a training step
+        has some: ``temp`` (a step has temporaries), ``argument``, any negative field, and the
+        compiler's peak where it is read (``peak``). A known JAX issue on TPU (jax#12848) and GPU
+        (jax#18954): the TPU compiler reports ``temp = 0`` for some programs."""
+        fields = {"argument": self.argument, "temp": self.temp}
+        negative = {f: getattr(self, f) for f in ("output", "alias", "generated_code")}
+        bad = [f for f, v in fields.items() if v <= 0] + [f for f, v in negative.items() if v < 0]
+        return tuple(bad) + (("peak",) if self.compiler_peak is not None and self.compiler_peak <= 0 else ())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def peak(self) -> int:
+        """Peak device bytes of one step, the figure the budget is checked against.
+
+        On TPU the compiler's peak: the TPU compiler's own out-of-memory verdict holds to it
+        (``benchmarks/tpu_peak_rule.py``: at every batch it fitted, the compiler's peak was
+        within the chip's HBM, where the breakdown sum was over it at some), and it stands
+        where the breakdown's temp reads 0; the breakdown sum where the compiler's peak
+        itself is unreported (0 or negative). Elsewhere the larger of the breakdown sum and
+        the compiler's peak (CPU: the breakdown sum, matched to the byte; the compiler's peak
+        is not kept)."""
+        return self.compiler_peak if self.peak_source == "compiler_peak" and self.compiler_peak else self.breakdown_sum
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def peak_source(self) -> Literal["breakdown_sum", "compiler_peak"]:
+        """Which figure :attr:`peak` is (see there)."""
+        read = self.compiler_peak is not None and self.compiler_peak > 0
+        if self.platform == "tpu":
+            return "compiler_peak" if read else "breakdown_sum"
+        return "compiler_peak" if read and (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
+
+
+class RawMeasurement(BaseModel):
+    """What the compiler and the clock said of one plan on one device, budget-free: judged by
+    :func:`judge`, kept as it is by the measurement cache."""
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings")
+
+    plan_digest: str
+    memory: MemoryBreakdown | None = None
+    oom_required_bytes: int | None = None
+    """Where the compiler ran out of memory (TPU): the bytes one chip needs in full, to compare
+    with other plans' peaks: the temporaries its error states (:attr:`oom_temp_bytes`) plus
+    the program's per-chip arguments and outputs less the donated arguments they alias
+    (logical sizes, before the TPU pads them to tiles, so a lower bound)…"""
+    oom_temp_bytes: int | None = None
+    """…the temporaries alone, as the compiler's error states them…"""
+    oom_available_bytes: int | None = None
+    """…and the HBM it had for them."""
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    compile_seconds: float | None = None
+    compiled_at: tuple[float, float] | None = None
+    """When the worker compiled the plan (start and end, Unix seconds): now, or earlier where it
+    kept the executable."""
+    ran_at: tuple[float, float] | None = None
+    """When the plan held the device (start and end, Unix seconds): its state placed, checked
+    and timed. Plans of one host never hold its device at once (see ``Target.device_lock``)."""
+    time_source: Literal["measured", "estimated"] | None = None
+    """``measured``: the plan ran and was timed; ``estimated``: a compile-only target's model of
+    its step; None: it never ran (it was over the budget it was measured under, or failed its
+    check first)."""
+    step_times: tuple[float, ...] = ()
+    """Seconds of each timed repeat (measured on the local device)."""
+    anchor_times: tuple[float, ...] = ()
+    """Seconds of the anchor plan's step run just before each of :attr:`step_times`
+    (``timing.anchor``): both ran under the same load, so their ratio is free of what drifts
+    between rounds."""
+    loss: float | None = None
+    """The loss after the last timed step (not finite: the plan fails)."""
+    first_loss: float | None = None
+    """The loss of the checked first step (not finite: the plan fails, whatever the check
+    says, and is not timed); None where the first step was not checked."""
+    estimated_seconds: float | None = None
+    """The estimate of one step, for targets where nothing runs: :attr:`estimate`'s seconds,
+    or in measurements of schema 3 and before, the whole-program roofline."""
+    estimate: StepEstimate | None = None
+    """What the step-time model (``step_time.estimate_step``) made of the compiled program."""
+    grad_max_abs_error: float | None = None
+    grad_rel_error: float | None = None
+    grad_reference: Literal["none", "full"] | None = None
+    """The plan whose first step this plan's was checked against: ``full`` (full remat). In
+    measurements of schema 1 (see :data:`MEASUREMENT_SCHEMA`), ``none``: gradients of no remat."""
+    grad_skipped: str | None = None
+    """Why a plan that ran was not checked: the reference does not fit the budget it ran
+    under, and nothing over the budget is run."""
+    program_digest: str | None = None
+    """The compiled program's digest (``executables.program_digest``): plans that compile to
+    the same program share it (None in measurements made before it was kept)."""
+    same_program_as: str | None = None
+    """The digest of the plan that ran for this measurement, where this plan compiled to the
+    same program (:attr:`program_digest`) and was not run itself: its check and times are that
+    plan's. None: this plan ran (or never needed to)."""
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Peak device bytes (per chip) as compiled; where the compiler ran out of memory, the
+        bytes it needs in full (:attr:`oom_required_bytes`); None when the compile did not get
+        that far."""
+        return self.memory.peak if self.memory else self.oom_required_bytes
+
+    @property
+    def time_model(self) -> str | None:
+        """Which model estimated :attr:`estimated_seconds`: ``fusions`` (``step_time``) or, in
+        measurements of schema 3 and before, ``roofline`` (whole-program); None where not estimated."""
+        if self.estimated_seconds is None:
+            return None
+        return TIME_MODEL if self.estimate is not None else "roofline"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiler saw the plan (it was not screened out, nor failed before)."""
+        return self.memory is not None or self.oom_required_bytes is not None
+
+    @property
+    def anchor_ratio(self) -> float | None:
+        """The median of :attr:`anchor_ratios`: the plan's step over the anchor's (None if unanchored)."""
+        return statistics.median(self.anchor_ratios) if self.anchor_times else None
+
+    @property
+    def anchor_ratios(self) -> tuple[float, ...]:
+        """Each repeat's time over the anchor's time in the same round (empty if unanchored)."""
+        return tuple(t / a for t, a in zip(self.step_times, self.anchor_times, strict=True)) if self.anchor_times else ()
+
+    @property
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def min_seconds(self) -> float | None:
+        return min(self.step_times) if self.step_times else None
+
+
+class Measurement(RawMeasurement):
+    """What the runner saw for one (workload, plan, device), with the verdict against a study's
+    budget and gradient tolerance (see :func:`judge`) and the study's anchor time.
+
+    Stored flat, as one JSON object, so that measurements stored before the raw part was kept
+    apart read as they did. :attr:`raw` is the part the verdict was given on."""
+
+    status: Verdict
+    error: str | None = None
+    """Why it failed: the check of its first step, a loss that is not finite, or the worker's
+    own failure (a crash, a timeout, an exception), where there is no raw measurement."""
+    anchor_seconds: float | None = None
+    """The study's reference time of the anchor, in which :attr:`step_seconds` of an
+    anchored measurement is expressed (set by the search as it records the trial)."""
+    screened_bytes: int | None = None
+    """Where the plan was screened out without compiling (``prescreen``): the peak the
+    study's cost model predicted for it, far over the budget (a verdict without a raw
+    measurement)."""
+
+    @property
+    def raw(self) -> RawMeasurement:
+        """The raw measurement the verdict was given on, as it was measured or cached."""
+        return RawMeasurement(**{name: getattr(self, name) for name in RawMeasurement.model_fields})
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """As compiled (see :attr:`RawMeasurement.peak_bytes`); for a screened plan, as predicted."""
+        peak = super().peak_bytes
+        return peak if peak is not None else self.screened_bytes
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The step time the study ranks by, for a plan judged measured (None otherwise): the
+        median ratio to the anchor times the study's anchor seconds where anchored, else the
+        measured median, or the estimate."""
+        if self.status != "measured":
+            return None
+        if self.anchor_ratio is not None and self.anchor_seconds:
+            return self.anchor_ratio * self.anchor_seconds
+        return self.median_seconds if self.step_times else self.estimated_seconds
+
+    @property
+    def spread(self) -> float | None:
+        """(max − min) / median of what :attr:`step_seconds` is the median of (the ratios to
+        the anchor, or the timed repeats): how far to trust it. None where it has no step time."""
+        values = self.anchor_ratios or self.step_times
+        return relative_spread(values) if values and self.status == "measured" else None
+
+
+def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Measurement:
+    """The verdict on ``raw`` against ``budget`` and ``gradient_tolerance``: the worker's on
+    what it has just measured and the cache's on what it kept, alike.
+
+    Over budget where the compiler ran out of memory (final, whatever the budget) or the peak
+    exceeds ``budget``; failed where the first step differs from the reference's by more than
+    ``gradient_tolerance``, or the loss of its first step or after the timed steps is not
+    finite (a non-finite first loss is named first, even where the check passed); else measured.
+    ``raw`` is kept as it is. A plan that fits but never ran has no verdict (``ValueError``):
+    it must be measured (see ``cache.measure_again``).
+    """
+    peak = raw.peak_bytes
+    if peak is None:
+        raise ValueError(f"plan {raw.plan_digest}: never compiled, so nothing to judge")
+    if raw.memory is None or peak > budget:
+        return _verdict(raw, "over_budget")
+    if raw.first_loss is not None and not math.isfinite(raw.first_loss):
+        return _verdict(raw, "failed", f"loss is {raw.first_loss} at its first step (not finite); not timed")
+    if raw.grad_rel_error is not None and not raw.grad_rel_error <= gradient_tolerance:
+        return _verdict(raw, "failed", gradient_failure(raw.grad_rel_error, raw.grad_reference, gradient_tolerance))
+    if raw.time_source is None:
+        raise ValueError(f"plan {raw.plan_digest}: fits the budget but never ran, so it must be measured")
+    if raw.loss is not None and not math.isfinite(raw.loss):
+        return _verdict(raw, "failed", f"loss is {raw.loss} after the timed steps")
+    return _verdict(raw, "measured")
+
+
+def _verdict(raw: RawMeasurement, status: Verdict, error: str | None = None) -> Measurement:
+    return Measurement(**dict(raw), status=status, error=error)
+
+
+def gradient_failure(rel_error: float, reference: str | None, tolerance: float) -> str:
+    """The reason a plan fails the gradient check."""
+    return (
+        f"the state change and loss of its first step differ from those of plan {reference!r}: "
+        f"relative error {rel_error:.3g} > gradient_tolerance {tolerance:g}"
+    )
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """(max − min) / median: how far apart repeated timings of one thing fell."""
+    return (max(values) - min(values)) / statistics.median(values)

@@ -1,0 +1,1 @@
+"""Plans: the policy kinds, the per-layer plan and its export forms."""

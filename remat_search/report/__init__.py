@@ -1,0 +1,1 @@
+"""Reading studies: results, the front, the best plan at a budget, pictures."""

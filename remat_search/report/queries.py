@@ -1,0 +1,168 @@
+"""Reading a study back: the Pareto front, the best plan under any budget, summaries.
+
+Everything here reads storage and never writes it, so queries are cheap and safe to run
+beside a search: straight from optuna's tables (``stored.py``), without importing optuna or
+JAX, and the best plan and the front without reading every trial. Every plan has one step time in all of them (``TrialResult.seconds``: its
+confirmed time where it was re-timed, else the search's): the front is the plans no other
+beats in both peak and that time, and the best plan for a budget is the fastest timed plan
+whose compiled peak fits it, which is on that front.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+from remat_search.errors import SpecError
+from remat_search.report.results import StudyReport, TrialResult
+from remat_search.store.storage import SPEC_ATTR
+from remat_search.report.stored import StoredStudy, open_studies, open_study
+from remat_search.units import parse_bytes
+
+if TYPE_CHECKING:
+    from remat_search.workloads.base import Workload
+
+
+def load_report(study: str, storage: str | None = None) -> StudyReport:
+    """The report of study ``study`` in ``storage`` (default storage if None): every trial."""
+    with open_study(study, storage) as stored:
+        return stored.report()
+
+
+def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
+    """The study's feasible Pareto front of step time vs peak memory, smallest peak first."""
+    with open_study(study, storage) as stored:
+        return stored.front()
+
+
+def best_plan(
+    study: str, budget: int | str, storage: str | None = None, *, workload: Workload | None = None, check: bool = True,
+) -> TrialResult:
+    """The fastest measured plan of ``study`` whose compiled peak fits ``budget``
+    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial).
+
+    For a training script that applies it: with ``check`` (the default), a study measured with
+    another JAX version, or on another kind of device than this process's first, is refused
+    (:class:`SpecError`, naming both), and so is one of another workload than ``workload``
+    (its fingerprint: names, layers, tensor names, input shapes), where one is given: its
+    peaks and times would not be this run's. ``check=False`` only reads the answer."""
+    with open_study(study, storage) as stored:
+        found = stored.best(budget_bytes(budget))
+        measured_on = stored.device
+    if check:
+        _check_caller(study, measured_on, workload)
+    return found
+
+
+def _check_caller(study: str, measured_on: dict, workload: Workload | None) -> None:
+    import jax
+
+    mine = {
+        "jax_version": jax.__version__, "device_kind": jax.devices()[0].device_kind,
+        **({"workload_fingerprint": workload.fingerprint()} if workload is not None else {}),
+    }
+    for key, value in mine.items():
+        if measured_on.get(key) is not None and measured_on[key] != value:
+            raise SpecError(
+                f"best_plan: study {study!r} was measured with {key} {measured_on[key]!r}, and this process has "
+                f"{value!r}: its peaks and times are not this run's; search again here, or pass check=False to "
+                "read the answer anyway"
+            )
+
+
+def budget_bytes(budget: object) -> int:
+    """The bytes a budget asked for names (``14GiB``, ``1.6e10``); else :class:`SpecError`."""
+    try:
+        return parse_bytes(budget)
+    except ValueError as e:
+        raise SpecError(f"budget: {e}") from None
+
+
+class StudySummary(BaseModel):
+    """One study at a glance: one line of ``remat-search studies``, and ``GET /studies``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    study: str
+    budget: int
+    device: str
+    """``platform (device kind)`` of the devices that measure it; ``—`` before a worker has."""
+    target: str
+    """Where its plans run: ``local``, or the TPU topology they are compiled for."""
+    complete: int
+    failed: int
+    running: int
+    done: int
+    """Trials that count towards the spec's ``trials``: complete, screened out, or failed by the
+    runner (a trial whose process died is measured again, so it does not count)."""
+    total: int | None
+    """The spec's ``trials`` (None for a study whose spec does not store it)."""
+    eta_seconds: float | None
+    """Estimated seconds to finish (:func:`estimate_seconds`); None when no trial has finished
+    yet, the study is finished, or its total is unknown."""
+    fastest_seconds: float | None
+    fastest_trial: int | None
+    """The trial of the fastest timed plan (the front's fastest, within the study's budget)."""
+    estimated: bool
+    """Step times are estimates (a compile-only target: see ``step_time``), not measurements."""
+
+
+def list_studies(storage: str | None = None) -> list[StudySummary]:
+    """Every study in ``storage`` with its trial counts (by state, in SQL), progress and
+    fastest timed step (the front's fastest)."""
+    with open_studies(storage) as studies:
+        return [summarize(s) for s in studies]
+
+
+def summarize(study: StoredStudy) -> StudySummary:
+    """The summary of an open study."""
+    states = study.count()
+    fastest = study.fastest()
+    finished = study.finished()
+    spec = study.attrs.get(SPEC_ATTR)
+    spec = spec if isinstance(spec, dict) else {}  # none where searched before `submit` existed
+    total = spec.get("trials")
+    running = states.get("RUNNING", 0)
+    return StudySummary(
+        study=study.name,
+        budget=study.budget or _int(spec.get("budget")) or 0,  # a budget left to the device: once one measures it
+        # A submitted study's device is the first worker's that measures it.
+        device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})" if study.device else "—",
+        target=_target(study.device.get("target") or spec.get("target") or study.attrs.get("target")),
+        # Screened-out plans are pruned: finished, though not measured.
+        complete=states.get("COMPLETE", 0) + states.get("PRUNED", 0),
+        failed=states.get("FAIL", 0),
+        running=running,
+        done=len(finished),
+        total=_int(total),
+        eta_seconds=estimate_seconds(finished, total=_int(total), running=running),
+        fastest_seconds=fastest.seconds if fastest else None,
+        fastest_trial=fastest.number if fastest else None,
+        estimated=study.device.get("executes") is False,
+    )
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _target(stored: object) -> str:
+    """A target as its spec stored it: ``local``, or a TPU target by its topology."""
+    if isinstance(stored, dict):
+        return str(stored.get("topology", "?"))
+    return stored if isinstance(stored, str) else "?"
+
+
+def estimate_seconds(finished: Sequence[float | None], *, total: int | None, running: int) -> float | None:
+    """Seconds until ``total`` trials are finished: the mean time of the ``finished`` ones (start
+    to completion, compile and measure) times the trials left, divided by the trials running
+    at once (at least one, at most the trials left). None when none has finished with its
+    times, none is left, or ``total`` is unknown."""
+    took = [s for s in finished if s is not None]
+    left = (total or 0) - len(finished)
+    if not took or left <= 0:
+        return None
+    return statistics.fmean(took) * left / max(1, min(running, left))

@@ -1,0 +1,1 @@
+"""The search: the space, the loop, the planner, confirmation and submission."""

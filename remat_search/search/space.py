@@ -1,0 +1,165 @@
+"""The space of plans a study may propose, and how optuna walks it.
+
+A :class:`Space` is built once for a spec's :class:`~remat_search.spec.models.SpaceConfig` and a
+workload's layer count. ``uniform`` gives every layer the same choice (one categorical
+parameter, ``policy``); ``per_layer`` gives each layer its own (``layer_00``, ``layer_01``, …);
+``segments`` gives each contiguous group of layers its own (``segment_00``, …). With
+``nested: true`` one more parameter, ``layout``, picks ``flat`` or ``nested`` (recursive
+checkpointing). The uniform plan of every choice — the presets people pick by hand — is
+what :meth:`Space.presets` gives the search to queue first, so every study shows them beside
+what the search finds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+
+from remat_search.errors import SpecError
+from remat_search.plans.plan import RematPlan
+from remat_search.plans.policy import import_function
+from remat_search.spec.models import SpaceConfig
+
+LAYOUT_PARAM = "layout"
+"""The parameter of a ``nested: true`` space that picks the plan's layout."""
+LAYOUTS = ("flat", "nested")
+
+
+@dataclass(frozen=True)
+class Space:
+    """The plans of one :class:`SpaceConfig` for a workload of ``layers`` layers, with the
+    names of the optuna parameters that choose them (build it with :meth:`of`)."""
+
+    config: SpaceConfig
+    layers: int
+    units: tuple[str, ...]
+    """The per-unit choice parameters: ``policy`` (uniform), ``layer_NN`` (per_layer) or
+    ``segment_NN`` (segments); not the ``layout`` parameter of a nested space."""
+    unit_layers: tuple[tuple[int, ...], ...]
+    """For each of :attr:`units`, in order, the layer indices its choice applies to."""
+
+    @classmethod
+    def of(cls, config: SpaceConfig, layers: int) -> Space:
+        """The space of ``config`` over ``layers`` layers; :class:`SpecError` if its segments
+        do not fit them."""
+        if config.layout == "uniform":
+            return cls(config, layers, ("policy",), (tuple(range(layers)),))
+        if config.layout == "per_layer":
+            return cls(config, layers, tuple(f"layer_{i:02d}" for i in range(layers)), tuple((i,) for i in range(layers)))
+        sizes = _segment_sizes(config, layers)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return cls(
+            config, layers, tuple(f"segment_{i:02d}" for i in range(len(sizes))),
+            tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True)),
+        )
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The choices' labels, in the spec's order."""
+        return tuple(c.label for c in self.config.choices)
+
+    @property
+    def n_params(self) -> int:
+        """How many parameters a trial sets: its units, and its layout if nested."""
+        return len(self.units) + (1 if self.config.nested else 0)
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Every parameter's optuna distribution."""
+        space: dict[str, BaseDistribution] = {u: CategoricalDistribution(self.labels) for u in self.units}
+        if self.config.nested:
+            space[LAYOUT_PARAM] = CategoricalDistribution(LAYOUTS)
+        return space
+
+    def suggest(self, trial: optuna.Trial) -> RematPlan:
+        """Ask ``trial`` for one choice per unit (and the layout, if nested); the plan."""
+        params = {name: trial.suggest_categorical(name, self.labels) for name in self.units}
+        if self.config.nested:
+            params[LAYOUT_PARAM] = trial.suggest_categorical(LAYOUT_PARAM, LAYOUTS)
+        return self.plan(params)
+
+    def params(self, choices: Sequence[str]) -> dict[str, str]:
+        """The trial parameters of the flat plan with ``choices``, one label per unit."""
+        params = dict(zip(self.units, choices, strict=True))
+        if self.config.nested:
+            params[LAYOUT_PARAM] = "flat"
+        return params
+
+    def plan(self, params: Mapping[str, Any]) -> RematPlan:
+        """The plan a trial's parameters stand for (``layout`` absent means flat)."""
+        policies: list[Any] = [None] * self.layers
+        for name, unit in zip(self.units, self.unit_layers, strict=True):
+            for i in unit:
+                policies[i] = self.config.policy(params[name])
+        return RematPlan(layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"))
+
+    def layer_labels(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+        """The choice label of each layer under a trial's parameters (what tables print)."""
+        labels = [""] * self.layers
+        for name, unit in zip(self.units, self.unit_layers, strict=True):
+            for i in unit:
+                labels[i] = str(params[name])
+        return tuple(labels)
+
+    def choices(self, params: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """The label of each unit of a flat plan's parameters; None for a nested or partial one."""
+        if params.get(LAYOUT_PARAM, "flat") != "flat" or not all(u in params for u in self.units):
+            return None
+        return tuple(str(params[u]) for u in self.units)
+
+    def presets(self) -> list[dict[str, str]]:
+        """Trial parameters of the uniform plan of every choice, in the spec's order.
+
+        A ``nested: true`` space's flat presets carry ``layout: flat``, and one more preset
+        follows them: the nested plan with no policy inside (every layer on the first choice
+        that does not checkpoint), the JAX guide's recursive checkpointing. Without such a
+        choice there is no nested preset.
+        """
+        presets = [self.params((label,) * len(self.units)) for label in self.labels]
+        none = next((c.label for c in self.config.choices if not c.policy.checkpoints), None)
+        if self.config.nested and none is not None:
+            presets.append({**dict.fromkeys(self.units, none), LAYOUT_PARAM: "nested"})
+        return presets
+
+    def check_names(self, tensor_names: Iterable[str]) -> None:
+        """Raise :class:`SpecError` if a choice names a tensor the workload does not declare."""
+        known = set(tensor_names)
+        for i, choice in enumerate(self.config.choices):
+            unknown = sorted(set(choice.policy.tensor_names) - known)
+            if unknown:
+                raise SpecError(
+                    f"spec.space.choices.{i}: unknown tensor name(s) {unknown} in {choice.label!r}; "
+                    f"the workload names {sorted(known) or 'no tensors'}"
+                )
+
+    def check_functions(self) -> None:
+        """Import every policy function the choices name (``function: "package.module:fn"``):
+        a one-line :class:`~remat_search.errors.WorkloadError` naming the choice's field if one
+        does not import or is not callable, before anything is written."""
+        for i, choice in enumerate(self.config.choices):
+            if choice.policy.function is not None:
+                import_function(choice.policy.function, f"spec.space.choices.{i}.function")
+
+
+def _segment_sizes(config: SpaceConfig, layers: int) -> list[int]:
+    """The sizes of a ``segments`` space's groups: N near-equal (earlier groups take the
+    remainder), or the spec's list, which must sum to ``layers``."""
+    if config.segments is None:
+        raise SpecError("spec.space.segments: required with layout: segments")
+    if isinstance(config.segments, int):
+        if config.segments > layers:
+            raise SpecError(
+                f"spec.space.segments: {config.segments} groups for a workload of {layers} layers; "
+                f"give at most {layers}"
+            )
+        n = config.segments
+        return [layers // n + (1 if i < layers % n else 0) for i in range(n)]
+    if sum(config.segments) != layers:
+        raise SpecError(
+            f"spec.space.segments: sizes {list(config.segments)} sum to {sum(config.segments)}, "
+            f"the workload has {layers} layers"
+        )
+    return list(config.segments)

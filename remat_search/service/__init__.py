@@ -1,0 +1,1 @@
+"""The service: workers, the HTTP server and its page."""

@@ -1,0 +1,1 @@
+"""The spec: the models of a search spec and their loading from YAML."""

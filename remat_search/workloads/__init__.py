@@ -1,0 +1,1 @@
+"""Workloads: the training steps a study optimises (built-in and the user's own)."""

@@ -1,0 +1,457 @@
+"""Workloads: the training steps remat-search optimises, behind one small interface.
+
+A workload is a loss over repeated layers, its parameters, an example batch and an
+optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
+times: a donated training step (``step``).
+Built-in kinds are ``transformer``, ``mlp`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
+(their modules build on this one); a user workload is any subclass returned by the factory
+the spec names (``factory: "package.module:function"``). JAX is imported when a workload
+is built, not with this module: reading studies needs none.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+import importlib
+import json
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
+from remat_search.errors import SpecError, WorkloadError
+from remat_search.imports import import_object
+from remat_search.plans.plan import RematPlan
+from remat_search.spec.models import FactoryConfig, WorkloadConfig
+
+if TYPE_CHECKING:
+    import jax
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+
+PyTree = Any
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "transformer": "remat_search.workloads.transformer:TransformerWorkload",
+    "mlp": "remat_search.workloads.mlp:MlpWorkload",
+    "nnx": "remat_search.workloads.nnx:NnxWorkload",
+    "linen": "remat_search.workloads.linen:LinenWorkload",
+}
+"""The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
+
+
+class Workload(abc.ABC):
+    """A training step whose layers can be checkpointed by a :class:`RematPlan`.
+
+    Subclasses set ``name``, ``layers`` and ``tensor_names`` (the names the loss gives
+    tensors with ``jax.ad_checkpoint.checkpoint_name``, which ``names`` policies may keep)
+    and implement :meth:`init_params`, :meth:`make_batch` and :meth:`loss`.
+    """
+
+    name: str
+    layers: int
+    tensor_names: frozenset[str] = frozenset()
+    mesh: Mesh | None = None
+    """The target's device mesh (None: one device), given by :meth:`use_mesh` before anything
+    is traced."""
+    params_from: CheckpointParams | None = None
+    """The parameters of the Orbax checkpoint the spec's ``workload.params_from`` names (set by
+    :func:`build_workload`): their shapes, dtypes and stored shardings replace the model's own
+    in :meth:`inputs` and :meth:`input_shardings`."""
+
+    def use_mesh(self, mesh: Mesh | None) -> None:
+        """Receive the target's device mesh before any shape, sharding or step is traced.
+
+        The hook for a model whose parameters, shardings or sharding constraints need the mesh:
+        a TPU target's devices are not this host's, so a model must not build its mesh from
+        ``jax.devices()``. The worker calls it once, first; the default keeps the mesh as
+        :attr:`mesh`. Override it to build what depends on the mesh (call ``super()``)."""
+        self.mesh = mesh
+
+    def note(self) -> str | None:
+        """A line on what the workload chose for its target that its spec left open (the
+        built-in transformer's ``attention: auto → flash (Pallas TPU kernel)``); None where it
+        chose nothing. Called after :meth:`use_mesh`; ``run`` and ``show`` print it."""
+        return None
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """A context the worker enters around tracing the inputs and each step (a linen
+        model's ``nn.logical_axis_rules(...)``, say); none by default."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def init_params(self, key: jax.Array) -> PyTree:
+        """Initial parameters."""
+
+    @abc.abstractmethod
+    def make_batch(self, key: jax.Array) -> PyTree:
+        """One example batch of inputs (and targets)."""
+
+    @abc.abstractmethod
+    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
+        """The scalar loss ``(params, batch) -> loss`` with each layer wrapped by ``plan``."""
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optimizer whose state the step carries (AdamW by default, as real runs use)."""
+        import optax
+
+        return optax.adamw(1e-3)
+
+    def inputs(self, seed: int = 0) -> tuple[PyTree, PyTree]:
+        """Concrete ``(state, batch)`` for the step, ``state = (params, opt_state)``.
+
+        Fresh arrays on every call (the step donates its state), from one compiled program.
+        """
+        import jax
+
+        if "_jitted_inputs" not in self.__dict__:
+            self._jitted_inputs = jax.jit(self._inputs)
+        return self._jitted_inputs(jax.random.key(seed))
+
+    def abstract_inputs(self, mesh: Mesh | None = None) -> tuple[PyTree, PyTree]:
+        """Shapes and dtypes of :meth:`inputs` (with their shardings over ``mesh`` if given),
+        for compiling without allocating."""
+        import jax
+
+        shapes = self._input_shapes()
+        if mesh is None:
+            return shapes
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.input_shardings(mesh)
+        )
+
+    def param_partitioning(self) -> PyTree | None:
+        """The model's own partitioning of its parameters: a ``PartitionSpec`` of mesh axis
+        names for each leaf of :meth:`init_params`' tree, or None where the model declares
+        none (then :meth:`shardings` uses the FSDP heuristic). The linen and nnx workloads read
+        it from the model's sharding metadata; a factory's workload may return its own."""
+        return None
+
+    def rule_axes(self) -> frozenset[str] | None:
+        """The mesh axes the spec's ``workload.logical_axis_rules`` map onto, for a model whose
+        partitioning is read with them (linen, nnx): a name in it that is neither one of these
+        nor an axis of the mesh is a logical name the rules leave unmapped, an error. None (the
+        default, a factory's workload, which maps its own names): every name is a mesh axis,
+        at size 1 where the mesh leaves it out."""
+        return None
+
+    def input_shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
+        """The shardings the step takes ``(state, batch)`` in: :meth:`shardings`, but with the
+        parameters' stored shardings (and their optimizer state's) where a ``params_from``
+        checkpoint has them and ``mesh`` can express them
+        (:meth:`CheckpointParams.state_shardings`)."""
+        own_state, own_batch = self.shardings(mesh)
+        if self.params_from is None:
+            return own_state, own_batch
+        return self.params_from.state_shardings(mesh, self._input_shapes()[0], own_state), own_batch
+
+    def sharding_source(self) -> str:
+        """Where the step's shardings over a mesh come from (:meth:`input_shardings`), in
+        words: ``run`` and ``show`` print it."""
+        if type(self).shardings is not Workload.shardings:
+            own = f"the workload's own ({type(self).__name__}.shardings)"
+        elif self.param_partitioning() is not None:
+            own = "the model's own partitioning of its parameters"
+        else:
+            own = "FSDP heuristic (each state array split over fsdp along its largest divisible dimension)"
+        if self.params_from is not None and any(any(p.spec or ()) for p in self.params_from.params.values()):
+            return f"the params_from checkpoint's stored shardings where the mesh can express them, else {own}"
+        return own
+
+    def shardings(self, mesh: Mesh) -> tuple[PyTree, PyTree]:
+        """``NamedSharding``s of ``(state, batch)``; the batch's leading dimension is split over
+        ``data`` and ``fsdp`` together.
+
+        The parameters are sharded as the model's own partitioning says
+        (:meth:`param_partitioning`; axes the mesh lacks are not split over), and the optimizer
+        state as the parameters it mirrors (its scalars replicated), as a real run shards
+        them. Where the model declares none, the FSDP heuristic: each parameter and
+        optimizer-state array is split over ``fsdp`` along its largest dimension that the axis
+        divides (replicated if none does). Override this for other schemes.
+        """
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        (params, opt_state), batch = self._input_shapes()
+        fsdp = mesh.shape.get("fsdp", 1)
+        batch_axes = split_batch_over(mesh)
+        ways = math.prod(mesh.shape[a] for a in batch_axes)
+
+        def state_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
+            dims = [d for d in sorted(range(a.ndim), key=lambda d: -a.shape[d]) if a.shape[d] % fsdp == 0]
+            if fsdp == 1 or not dims:
+                return NamedSharding(mesh, P())
+            return NamedSharding(mesh, P(*("fsdp" if d == dims[0] else None for d in range(a.ndim))))
+
+        def batch_spec(a: jax.ShapeDtypeStruct) -> NamedSharding:
+            if not batch_axes:
+                return NamedSharding(mesh, P())
+            if a.ndim == 0 or a.shape[0] % ways:
+                raise SpecError(
+                    f"spec.mesh: the batch dimension ({a.shape[0] if a.ndim else 'none'}) must be "
+                    f"divisible by {' × '.join(batch_axes)} = {ways}"
+                )
+            return NamedSharding(mesh, P(batch_axes))
+
+        own = self.param_partitioning()
+        if own is None:
+            return jax.tree.map(state_spec, (params, opt_state)), jax.tree.map(batch_spec, batch)
+        param_shardings = _own_shardings(mesh, own, params, self.rule_axes())
+        structure = jax.tree.structure(params)
+
+        def mirrored(sub: PyTree) -> PyTree:  # an optimizer's moments mirror the parameters
+            if jax.tree.structure(sub) == structure:
+                return param_shardings
+            return jax.tree.map(lambda a: NamedSharding(mesh, P()), sub)
+
+        opt_shardings = jax.tree.map(mirrored, opt_state, is_leaf=lambda x: jax.tree.structure(x) == structure)
+        return (param_shardings, opt_shardings), jax.tree.map(batch_spec, batch)
+
+    def _input_shapes(self) -> tuple[PyTree, PyTree]:
+        """``(state, batch)`` shapes, traced once per workload (every candidate needs them)."""
+        import jax
+
+        if "_shapes" not in self.__dict__:
+            self._shapes = jax.eval_shape(self._inputs, jax.random.key(0))
+        return self._shapes
+
+    def _inputs(self, key: jax.Array) -> tuple[PyTree, PyTree]:
+        import jax
+
+        params_key, batch_key = jax.random.split(key)
+        params = self.init_params(params_key)
+        if self.params_from is not None:
+            params = self.params_from.params_like(params, params_key)
+        return (params, self.optimizer().init(params)), self.make_batch(batch_key)
+
+    def step(
+        self, plan: RematPlan, mesh: Mesh | None = None
+    ) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
+        """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``.
+
+        Over a ``mesh`` the new state keeps the old one's shardings, so donation aliases it.
+        """
+        import jax
+        import optax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        loss_fn, opt = self.loss(plan), self.optimizer()
+
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
+            params, opt_state = state
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        if mesh is None:
+            return jax.jit(train_step, donate_argnums=0)
+        state, batch = self.input_shardings(mesh)
+        return jax.jit(
+            train_step, donate_argnums=0, in_shardings=(state, batch),
+            out_shardings=(state, NamedSharding(mesh, P())),
+        )
+
+    def fingerprint(self) -> str:
+        """A hash of what the workload computes on: its name, layers, names and input shapes."""
+        import jax
+
+        shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)], self.abstract_inputs())
+        text = json.dumps(
+            [type(self).__qualname__, self.name, self.layers, sorted(self.tensor_names),
+             jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, list))],
+            sort_keys=True,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def split_batch_over(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes the batch's leading dimension is split over: ``data`` and ``fsdp``, those
+    of more than one device (none without a mesh)."""
+    if mesh is None:
+        return ()
+    return tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
+
+
+def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree, rule_axes: frozenset[str] | None) -> PyTree:
+    """``NamedSharding``s of ``params`` from a model's ``PartitionSpec`` s (one per leaf): axes
+    the mesh lacks are left out (at size 1: the model's run on such a mesh is not split over
+    them); where the spec's rules map the names (``rule_axes``, see :meth:`Workload.rule_axes`),
+    a name neither they nor the mesh have is a :class:`WorkloadError` (an unmapped logical
+    name); a dimension the mesh's axes do not divide is a :class:`SpecError` naming the parameter."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def sharding(path: Any, a: jax.ShapeDtypeStruct, spec: Any) -> NamedSharding:
+        dims = []
+        for d, entry in enumerate(tuple(spec) + (None,) * (a.ndim - len(spec))):
+            named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            unknown = [x for x in named if rule_axes is not None and x not in mesh.shape and x not in rule_axes]
+            if unknown:
+                mapped = ", ".join(sorted(rule_axes or ())) or "none"
+                raise WorkloadError(
+                    f"workload.logical_axis_rules: the model partitions parameter {jax.tree_util.keystr(path)} over "
+                    f"{unknown[0]!r}, which is no mesh axis (spec.mesh has {', '.join(mesh.axis_names)}; the rules "
+                    f"map onto {mapped}); map its logical names onto mesh axes: [[name, mesh axis or null], ...]"
+                )
+            axes = tuple(x for x in named if x in mesh.shape)
+            ways = math.prod(mesh.shape[x] for x in axes)
+            if a.shape[d] % ways:
+                raise SpecError(
+                    f"spec.mesh: the model splits parameter {jax.tree_util.keystr(path)} (shape {list(a.shape)}) "
+                    f"over {' × '.join(axes)} = {ways} in dimension {d}, which that does not divide"
+                )
+            dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return NamedSharding(mesh, P(*dims))
+
+    specs = jax.tree.structure(params).flatten_up_to(partitioning)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return jax.tree.unflatten(
+        jax.tree.structure(params), [sharding(path, a, spec) for (path, a), spec in zip(leaves, specs, strict=True)]
+    )
+
+
+class TracedStep(NamedTuple):
+    """What tracing the no-remat training step tells of a workload."""
+
+    fingerprint: str
+    """A hash of its jaxpr: it changes when the model's code or the optimizer does, even at the
+    same shapes, so cached measurements of old code are not reused."""
+    names: frozenset[str] | None
+    """The ``checkpoint_name`` tags the step emits (a model's tags may depend on its
+    configuration); None where it does not trace."""
+
+
+def trace_step(workload: Workload) -> TracedStep:
+    """Trace ``workload``'s no-remat step (within its :meth:`Workload.tracing` context)."""
+    import jax
+
+    try:
+        with workload.tracing():
+            state, batch = workload.abstract_inputs()
+            jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
+    except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
+        return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
+    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))
+
+
+def traced_names(jaxpr: Any) -> frozenset[str]:
+    """The ``checkpoint_name`` tags (the ``name`` primitive) in ``jaxpr`` (a ClosedJaxpr or a
+    Jaxpr) and every jaxpr inside it (jit, scan, remat, cond)."""
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    found |= traced_names(sub)
+    return frozenset(found)
+
+
+def rule_targets(rules: Any) -> frozenset[str]:
+    """The mesh axes logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) map onto."""
+    return frozenset(
+        axis for _, target in rules or () for axis in ((target,) if isinstance(target, str) else target or ())
+    )
+
+
+def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | None:
+    """Logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) with the axes ``mesh``
+    lacks left out (a name mapped only onto those is unsplit), as a model run on that mesh
+    would have them at size 1; the rules as written where there is no mesh."""
+    if rules is None or mesh is None:
+        return rules
+
+    def kept(target: Any) -> Any:
+        axes = tuple(a for a in ((target,) if isinstance(target, str) else target or ()) if a in mesh.shape)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return tuple((name, kept(target)) for name, target in rules)
+
+
+def flax_tracing(rules: Any, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+    """The context a Flax model's step is traced in: its logical axis ``rules`` in force (as
+    :func:`rules_on` ``mesh``) and ``mesh`` as the abstract mesh, so that its own sharding
+    constraints (``nn.with_logical_constraint``) apply. For linen and NNX alike (one setting)."""
+    import flax.linen as nn
+    import jax
+
+    stack = contextlib.ExitStack()
+    if rules is not None:
+        stack.enter_context(nn.logical_axis_rules(rules_on(rules, mesh)))
+    if mesh is not None:
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+    return stack
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """A language model's default loss: the mean cross-entropy of position ``t``'s logits
+    against token ``t + 1``, in float32."""
+    import jax.numpy as jnp
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+def build_workload(config: WorkloadConfig) -> Workload:
+    """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`, a
+    ``params_from`` that is no Orbax checkpoint :class:`SpecError` (whether the model fits
+    the checkpoint is told by :func:`check_params_from`, once the workload has its mesh)."""
+    if isinstance(config, FactoryConfig):
+        workload = _from_factory(config)
+    else:
+        module_name, class_name = BUILTIN_WORKLOADS[config.kind].split(":")
+        workload = getattr(importlib.import_module(module_name), class_name)(config)
+    if config.params_from is not None:
+        workload.params_from = read_params_from(config.params_from)
+    return workload
+
+
+def check_params_from(workload: Workload) -> None:
+    """Trace ``workload``'s inputs and no-remat loss with the parameters of its ``params_from``
+    checkpoint (none: nothing to do); a one-line :class:`SpecError` where its tree is not the
+    model's, or the model does not take its shapes (a model that fails with its own
+    parameters too is left to fail each candidate, as without a checkpoint)."""
+    import jax
+
+    if workload.params_from is None:
+        return
+    loss = workload.loss(RematPlan.uniform("none", workload.layers))
+    with workload.tracing():
+        (params, _), batch = workload.abstract_inputs()
+        try:
+            jax.eval_shape(loss, params, batch)
+        except Exception as e:  # noqa: BLE001 - the model's own error, told in one line
+            try:
+                own = jax.eval_shape(workload.init_params, jax.random.key(0))
+                jax.eval_shape(loss, own, batch)
+            except Exception:  # noqa: BLE001 - it fails with its own parameters too
+                return
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise SpecError(
+                f"spec.workload.params_from: the model does not take the checkpoint's parameters "
+                f"({type(e).__name__}: {first})"
+            ) from None
+
+
+def _from_factory(config: FactoryConfig) -> Workload:
+    where = f"workload.factory: {config.factory!r}"
+    factory = import_object(config.factory, "workload.factory", what="function")
+    if not callable(factory):
+        module_name, _, function_name = config.factory.partition(":")
+        raise WorkloadError(f"{where}: module {module_name!r} has no function {function_name!r}")
+    try:
+        workload = factory(**config.args)
+    except Exception as e:  # noqa: BLE001
+        raise WorkloadError(f"{where} raised {type(e).__name__}: {e}") from None
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"{where} returned {type(workload).__name__}, expected a remat_search.Workload"
+        )
+    if not isinstance(workload.layers, int) or workload.layers < 1:
+        raise WorkloadError(f"{where} returned a workload with layers={workload.layers!r}, expected ≥ 1")
+    return workload

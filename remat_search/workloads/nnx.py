@@ -1,0 +1,236 @@
+"""The ``nnx`` workload: a user's Flax NNX model, searched as it is written.
+
+A spec names the model (its class, or a function returning it), its constructor's arguments
+and the attribute holding its blocks (``blocks: "blocks"``, or a dotted path). Nothing of
+the model is edited or subclassed. The loss rebuilds the model inside the traced step, puts
+the step's parameters into it (``nnx.update``), replaces each element of the blocks' list by
+a thin :class:`Checkpointed` module that calls the block through ``jax.checkpoint`` with its
+layer's policy (:meth:`RematPlan.wrap`), and calls the model's own ``__call__``. So the model's
+``__call__`` must run its blocks from that list (``for block in self.blocks: x = block(x)``),
+which tracing checks: a block it never calls is a :class:`WorkloadError`.
+
+The parameters are the model's own (``nnx.state(model, nnx.Param)`` as a plain dict); the
+batch is random int32 tokens ``[batch, seq_len]``; the loss is next-token cross-entropy of
+``model(tokens)``'s logits, or a named ``fn(logits, tokens) -> scalar``. ``tensor_names`` are
+the ``checkpoint_name`` tags the traced program emits, found by tracing, not declared.
+Unrolled blocks and ``flat`` plans only: the model runs its chain itself, so a ``nested``
+plan cannot regroup it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from remat_search.errors import SpecError, WorkloadError
+from remat_search.imports import import_object
+from remat_search.plans.plan import RematPlan
+from remat_search.spec.models import NnxConfig
+from remat_search.workloads.base import PyTree, Workload, flax_tracing, next_token_loss, rule_targets, traced_names
+
+
+class Checkpointed(nnx.Module):
+    """A block called through ``wrap`` (``fn -> jax.checkpoint(fn, policy=...)``): its
+    variables and its array arguments go in as arguments, the rest is closed over; the
+    block's updated variables (an RNG count, statistics) are written back after the call."""
+
+    def __init__(self, block: nnx.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+                 on_call: Callable[[], None]) -> None:
+        self.block = block
+        self._wrap = wrap
+        self._on_call = on_call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._on_call()
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+        graphdef, state = nnx.split(self.block)
+
+        def pure(state: nnx.State, arrays: list[jax.Array]) -> tuple[Any, nnx.State]:
+            full = list(leaves)
+            for i, a in zip(dynamic, arrays, strict=True):
+                full[i] = a
+            call_args, call_kwargs = jax.tree.unflatten(tree, full)
+            module = nnx.merge(graphdef, state)
+            return module(*call_args, **call_kwargs), nnx.state(module)
+
+        out, new_state = self._wrap(pure)(state, [leaves[i] for i in dynamic])
+        nnx.update(self.block, new_state)
+        return out
+
+
+def _takes_rngs(constructor: Callable[..., Any]) -> bool:
+    try:
+        signature = inspect.signature(constructor.__init__ if isinstance(constructor, type) else constructor)
+    except (TypeError, ValueError):
+        return False
+    return "rngs" in signature.parameters
+
+
+class NnxWorkload(Workload):
+    """A Flax NNX model whose blocks are checkpointed by a plan (see the module's text)."""
+
+    def __init__(self, config: NnxConfig) -> None:
+        self.config = config
+        self.name = f"nnx {config.model}"
+        self._constructor = import_object(config.model, "workload.model")
+        self._loss_of_logits = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
+        abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
+        self.layers = len(self._blocks(abstract)[2])
+        self._partitioning = self._read_partitioning(nnx.state(abstract, nnx.Param))
+        self._graphdef, self._params_shape, rest = nnx.split(abstract, nnx.Param, ...)
+        self._stateless = not jax.tree.leaves(rest)
+        """No variables but parameters: the loss merges the model from them, else it rebuilds it."""
+        self.tensor_names = self._traced_names()
+
+    def _build(self, key: jax.Array) -> nnx.Module:
+        """The model, its parameters drawn from ``key`` (``rngs=nnx.Rngs(key)`` when it takes one)."""
+        kwargs = dict(self.config.args)
+        if "rngs" not in kwargs and _takes_rngs(self._constructor):
+            kwargs["rngs"] = nnx.Rngs(key)
+        try:  # sharding metadata kept, not applied: the step's shardings place the parameters
+            with nnx.use_eager_sharding(False):
+                model = self._constructor(**kwargs)
+        except Exception as e:  # noqa: BLE001 - the user's constructor's failure, in one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise WorkloadError(f"workload.model: {self.config.model!r} raised {type(e).__name__}: {first}") from None
+        if not isinstance(model, nnx.Module):
+            raise WorkloadError(
+                f"workload.model: {self.config.model!r} returned {type(model).__name__}, expected a flax.nnx.Module"
+            )
+        return model
+
+    def _blocks(self, model: nnx.Module) -> tuple[Any, str, Any]:
+        """``(owner, attribute, blocks)``: the list at ``config.blocks`` and where it hangs."""
+        path = self.config.blocks
+        owner, parents = [model], path.split(".")
+        for i, name in enumerate(parents):
+            if not hasattr(owner[-1], name):
+                held = sorted(k for k in vars(owner[-1]) if not k.startswith("_"))
+                raise WorkloadError(
+                    f"workload.blocks: {type(owner[-1]).__name__} has no attribute {'.'.join(parents[: i + 1])!r}"
+                    f" (it has {held})"
+                )
+            owner.append(getattr(owner[-1], name))
+        blocks = owner[-1]
+        if not isinstance(blocks, (list, tuple, nnx.List)) or not len(blocks) or not all(
+            isinstance(b, nnx.Module) for b in blocks
+        ):
+            raise WorkloadError(
+                f"workload.blocks: {path!r} is {type(blocks).__name__}, expected a non-empty list of the "
+                "nnx.Modules the model's __call__ runs (an nnx.List or a list)"
+            )
+        return owner[-2], parents[-1], blocks
+
+    def _read_partitioning(self, params: nnx.State) -> PyTree | None:
+        """Each parameter's ``out_sharding`` metadata (``nnx.with_partitioning``) as a
+        ``PartitionSpec``, logical names mapped by ``workload.logical_axis_rules``; None where
+        no parameter has any."""
+        annotated = [v for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                     if isinstance(v, nnx.Variable) and v.get_metadata().get("out_sharding")]
+        if not annotated:
+            return None
+        with self.tracing():
+            return nnx.to_pure_dict(nnx.get_partition_spec(params))
+
+    def param_partitioning(self) -> PyTree | None:
+        """The model's own (see :meth:`_read_partitioning`)."""
+        return self._partitioning
+
+    def rule_axes(self) -> frozenset[str]:
+        """The mesh axes ``workload.logical_axis_rules`` map onto (none without rules)."""
+        return rule_targets(self.config.logical_axis_rules)
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """``workload.logical_axis_rules`` in force, and the target's mesh where there is one, so
+        the model's own sharding constraints apply."""
+        return flax_tracing(self.config.logical_axis_rules, self.mesh)
+
+    def init_params(self, key: jax.Array) -> PyTree:
+        """The model's ``nnx.Param`` s, as a plain nested dict (list indices are int keys)."""
+        return nnx.to_pure_dict(nnx.state(self._build(key), nnx.Param))
+
+    def make_batch(self, key: jax.Array) -> PyTree:
+        c = self.config
+        return jax.random.randint(key, (c.batch, c.seq_len), 0, c.vocab, dtype=jnp.int32)
+
+    def forward(self, plan: RematPlan, params: PyTree, tokens: jax.Array) -> Any:
+        """``model(tokens)`` with ``params`` and each block checkpointed by ``plan``: the
+        model's own ``__call__``, its blocks replaced by :class:`Checkpointed` ones."""
+        if plan.layout != "flat":
+            raise SpecError(
+                f"plan: layout {plan.layout!r} is not supported for nnx models, which run their blocks "
+                "themselves; use layout 'flat' (space.nested: false)"
+            )
+        if len(plan.layers) != self.layers:
+            raise SpecError(f"plan: has {len(plan.layers)} layers, the workload has {self.layers}")
+        if self._stateless:
+            state = jax.tree.map(lambda a: a, self._params_shape)  # a copy to fill in
+            nnx.replace_by_pure_dict(state, params)
+            model = nnx.merge(self._graphdef, state)
+        else:  # rebuilt for its other variables (RNG streams, statistics); its parameters' init is dead code
+            model = self._build(jax.random.key(0))
+            state = nnx.state(model, nnx.Param)
+            nnx.replace_by_pure_dict(state, params)
+            nnx.update(model, state)
+        owner, attribute, blocks = self._blocks(model)
+        calls = [0] * len(blocks)
+
+        def counter(i: int) -> Callable[[], None]:
+            return lambda: calls.__setitem__(i, calls[i] + 1)
+
+        wrapped = [
+            Checkpointed(b, functools.partial(plan.wrap, layer=i), counter(i)) for i, b in enumerate(blocks)
+        ]
+        if isinstance(blocks, tuple):
+            setattr(owner, attribute, tuple(wrapped))
+        else:
+            for i, w in enumerate(wrapped):
+                blocks[i] = w
+        out = model(tokens)
+        missed = [i for i, n in enumerate(calls) if n == 0]
+        if missed:
+            raise WorkloadError(
+                f"workload.blocks: the model's __call__ did not call block(s) {missed} of {self.config.blocks!r}; "
+                f"it must run its blocks from that attribute (for block in self.{self.config.blocks}: ...)"
+            )
+        return out
+
+    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
+        def loss_fn(params: PyTree, tokens: jax.Array) -> jax.Array:
+            return self._loss_of_logits(self.forward(plan, params, tokens), tokens)
+
+        return loss_fn
+
+    def _traced_names(self) -> frozenset[str]:
+        """Trace the loss once with no remat: checks the structure and the logits' shape,
+        and returns the names the program tags."""
+        c = self.config
+        params = jax.eval_shape(self.init_params, jax.random.key(0))
+        tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32)
+        plan = RematPlan.uniform("none", self.layers)
+        try:
+            logits = jax.eval_shape(functools.partial(self.forward, plan), params, tokens)
+            if c.loss is None and getattr(logits, "shape", None) != (c.batch, c.seq_len, c.vocab):
+                raise WorkloadError(
+                    f"workload.model: model(tokens) returned {getattr(logits, 'shape', type(logits).__name__)}, "
+                    f"the default loss expects logits of shape {[c.batch, c.seq_len, c.vocab]} "
+                    "(batch, seq_len, vocab); or name a loss: 'package.module:function'"
+                )
+            jaxpr = jax.make_jaxpr(self.loss(plan))(params, tokens)
+        except (WorkloadError, SpecError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's model or loss fails to trace
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise WorkloadError(f"workload: {c.model!r} does not trace ({type(e).__name__}: {first})") from None
+        if jaxpr.out_avals[0].shape != ():
+            raise WorkloadError(f"workload.loss: returned shape {list(jaxpr.out_avals[0].shape)}, expected a scalar")
+        return traced_names(jaxpr)

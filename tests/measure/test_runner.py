@@ -1,0 +1,41 @@
+"""The worker process: what it says of a candidate that raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat_search import RematPlan
+from remat_search.measure.runner import Runner
+from remat_search.spec.models import TimingConfig, parse_spec
+
+from tests.conftest import spec_dict
+
+
+def _measure_broken(storage_url: str) -> str:
+    """The error of a plan of ``tests.factories:raising``, whose loss raises as it is traced, in a new worker."""
+    workload = parse_spec(spec_dict(storage_url, workload={"factory": "tests.factories:raising"})).workload
+    with Runner(workload, timeout=120) as runner:
+        m = runner.measure(RematPlan.uniform("full", 3), budget=2**30, timing=TimingConfig(), gradient_tolerance=1e-4)
+    assert m.status == "failed" and m.error is not None
+    return m.error
+
+
+def test_a_candidate_that_raises_fails_with_one_line(storage_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    error = _measure_broken(storage_url)
+    assert error.startswith("RuntimeError: this model is broken (at workloads.py:") and "\n" not in error
+    assert "this model is broken" not in capfd.readouterr().err
+
+
+def test_with_remat_search_debug_a_candidate_that_raises_shows_the_workers_traceback(
+    storage_url: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REMAT_SEARCH_DEBUG", "1")  # before the worker starts, which inherits it
+    error = _measure_broken(storage_url)
+    first, _, rest = error.partition("\n")
+    assert first.startswith("RuntimeError: this model is broken (at workloads.py:")  # the line tables show
+    assert rest.startswith("worker traceback:\nTraceback (most recent call last):")
+    assert 'workloads.py", line' in rest and 'raise RuntimeError("this model is broken")' in rest
+    assert "executables.py" in rest  # the worker's own frames, from where it compiles the plan
+    shown = capfd.readouterr().err
+    assert "plan full×3 failed in the worker: RuntimeError: this model is broken" in shown
+    assert 'raise RuntimeError("this model is broken")' in shown

@@ -1,0 +1,39 @@
+"""Every registered sampler (remat_search.search.planner.SAMPLERS) under the search's contract, fast:
+it runs the queued presets first, then proposes plans of the space, on a multi-objective
+study with the budget as a constraint (synthetic objectives: no compiling here)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from remat_search.errors import SpecError
+from remat_search.search.planner import SAMPLERS, check_sampler, make_sampler
+from remat_search.search.space import Space
+from remat_search.spec.models import SamplerConfig, SpaceConfig
+
+SPACE = Space.of(SpaceConfig(layout="per_layer", choices=["none", "full", "dots"]), 3)
+SAVING = {"none": 0.0, "full": 30.0, "dots": 12.0}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLERS))
+def test_a_sampler_runs_the_presets_then_proposes_plans_of_the_space(kind: str) -> None:
+    budget = 150
+    study = optuna.create_study(directions=["minimize", "minimize"])
+    study.sampler = make_sampler(SamplerConfig(kind=kind, seed=0), space=SPACE, budget=budget)
+    for params in SPACE.presets():
+        study.enqueue_trial(params)
+    for _ in range(8):
+        trial = study.ask()
+        plan = SPACE.suggest(trial)
+        labels = SPACE.layer_labels(trial.params)
+        peak = 200.0 - sum(SAVING[label] for label in labels[:-1])
+        trial.set_constraint("budget", peak / budget - 1.0)
+        study.tell(trial, [1.0 + 0.1 * sum(SAVING[label] > 0 for label in labels), peak])
+        assert len(plan.layers) == 3 and set(trial.params) == set(SPACE.units)
+    assert [SPACE.choices(t.params) for t in study.trials[:3]] == [(c,) * 3 for c in SPACE.labels]
+
+
+def test_an_unknown_sampler_names_the_known_ones() -> None:
+    with pytest.raises(SpecError, match="spec.sampler.kind: unknown sampler 'cmaes'; expected one of planner, tpe"):
+        check_sampler(SamplerConfig(kind="cmaes"))

@@ -1,0 +1,247 @@
+"""The step-time model of compile-only targets (``step_time``): each instruction of the
+optimized program priced at the chip's peaks, loops counted per iteration, collectives at
+the inter-chip bandwidth. On a hand-written module, where every figure can be worked out,
+and on programs the real TPU compiler made."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat_search.measure.executables import Executables, measure
+from remat_search.measure.measurement import Measurement
+from remat_search.cli.output import describe_trial, time_models_note
+from remat_search.plans.plan import RematPlan
+from remat_search.report.results import TrialResult
+from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig
+from remat_search.targets.step_time import CHIPS, Chip, estimate_step
+from remat_search.targets.base import target_of
+from remat_search.workloads.base import build_workload
+
+CHIP = Chip(name="test", bf16_flops=1e12, hbm_bytes_per_second=1e9, ici_bytes_per_second=1e8)
+
+MODULE = """HloModule jit_step, is_scheduled=true
+
+%fused_matmul (param_0: bf16[64,128], param_1: bf16[128,256]) -> bf16[64,256] {
+  %param_0 = bf16[64,128]{1,0} parameter(0)
+  %param_1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_scale (param_0.1: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0.1 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %multiply.1 = f32[1024,1024]{1,0} multiply(%param_0.1, %param_0.1)
+}
+
+%gathering (param_0.2: bf16[64,256]) -> bf16[128,256] {
+  %param_0.2 = bf16[64,256]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[128,256]{1,0} all-gather(%param_0.2), channel_id=7, replica_groups={{0,1}}, dimensions={0}
+}
+
+%body (p: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %p = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %fusion.2 = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_scale
+  ROOT %tuple.1 = (s32[], f32[1024,1024]{1,0}) tuple(%i, %fusion.2)
+}
+
+%cond (q: (s32[], f32[1024,1024])) -> pred[] {
+  %q = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  ROOT %constant.1 = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[64,128], w: bf16[128,256], v: f32[4096], x: f32[1024,1024]) -> bf16[64,256] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %v = f32[4096]{0:S(1)} parameter(2)
+  %x = f32[1024,1024]{1,0} parameter(3)
+  %fusion.1 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+  %copy.1 = f32[4096]{0:S(1)} copy(%v)
+  %all-reduce.1 = f32[1024,1024]{1,0} all-reduce(%x), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%cond
+  %fusion.3 = bf16[128,256]{1,0} fusion(%fusion.1), kind=kLoop, calls=%gathering
+  %fusion.4 = bf16[128,256]{1,0} fusion(%fusion.1), kind=kLoop, calls=%gathering
+  %constant.2 = s32[] constant(0)
+  %t = (s32[], f32[1024,1024]{1,0}) tuple(%constant.2, %x)
+  %while.1 = (s32[], f32[1024,1024]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %fusion.5 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+}
+"""
+
+
+def test_each_instruction_costs_the_slower_of_its_flops_and_its_hbm_bytes() -> None:
+    e = estimate_step(MODULE, CHIP)
+    matmul_flops = 2 * 64 * 256 * 128
+    matmul_bytes = (64 * 128 + 128 * 256 + 64 * 256) * 2
+    scale_bytes = 2 * 1024 * 1024 * 4  # elementwise: its FLOPs are not priced, its bytes are
+    gather_bytes = (64 * 256 + 128 * 256) * 2  # the fusion reads its operand and writes the gathered result
+    assert e.flops == 2 * matmul_flops
+    # The copy within on-chip memory (S(1)) moves no HBM bytes; the loop runs its body 3 times.
+    assert e.hbm_bytes == 2 * matmul_bytes + 3 * scale_bytes + 2 * gather_bytes
+    each = [max(matmul_flops / 1e12, matmul_bytes / 1e9)] * 2 + [scale_bytes / 1e9] * 3 + [gather_bytes / 1e9] * 2
+    assert e.compute_seconds == pytest.approx(sum(each))
+    # the matmuls, the copy, the all-reduce, the two gathering fusions, the loop's three iterations
+    assert e.instructions == 2 + 1 + 1 + 2 + 3 and e.unknown_trip_counts == 0
+
+
+def test_collectives_cost_what_a_ring_moves_per_chip_once_a_channel_at_the_ici_bandwidth() -> None:
+    e = estimate_step(MODULE, CHIP)
+    # all-reduce over 4: 2 × (4 − 1)/4 of its 4 MiB; the all-gather over 2, printed in two
+    # fusions of one channel (as the TPU compiler chains one), received once: half its result.
+    all_reduce, all_gather = 2 * 4 * 2**20 * 3 / 4, 128 * 256 * 2 / 2
+    assert e.collective_bytes == all_reduce + all_gather
+    assert e.collective_seconds == pytest.approx((all_reduce + all_gather) / 1e8)
+    assert e.seconds == pytest.approx(e.compute_seconds + e.collective_seconds)
+    assert estimate_step(MODULE, CHIP.model_copy(update={"ici_bytes_per_second": None})).collective_seconds == 0
+
+
+SLICED = """HloModule sliced, is_scheduled=true
+
+%take (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
+  %p0 = f32[8,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,1024}
+}
+
+%put (p0.1: f32[8,1024], p1.1: f32[1,1024], p2.1: s32[]) -> f32[8,1024] {
+  %p0.1 = f32[8,1024]{1,0} parameter(0)
+  %p1.1 = f32[1,1024]{1,0} parameter(1)
+  %p2.1 = s32[] parameter(2)
+  %c.1 = s32[] constant(0)
+  %neg = f32[1,1024]{1,0} negate(%p1.1)
+  ROOT %dus = f32[8,1024]{1,0} dynamic-update-slice(%p0.1, %neg, %p2.1, %c.1)
+}
+
+ENTRY %main (stack: f32[8,1024], saved: f32[8,1024], i: s32[]) -> f32[8,1024] {
+  %stack = f32[8,1024]{1,0} parameter(0)
+  %saved = f32[8,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %layer = f32[1,1024]{1,0} fusion(%stack, %i), kind=kLoop, calls=%take
+  %slice.1 = f32[2,1024]{1,0} slice(%stack), slice={[0:2], [0:1024]}
+  ROOT %out = f32[8,1024]{1,0} fusion(%saved, %layer, %i), kind=kLoop, calls=%put
+}
+"""
+
+
+def test_a_slice_reads_what_it_keeps_and_an_update_in_place_moves_only_the_update() -> None:
+    # As a scanned model's loop takes its layer out of the stacked weights, and writes the
+    # activations it saves into a stacked buffer: not the whole stack each iteration.
+    row = 1024 * 4
+    layer = row + 4 + row  # one row of the stack read, the index, the row written
+    sliced = 2 * (2 * row)  # two rows read and written
+    put = 0 + row + 4 + row  # the buffer updated in place is not read; the update is written
+    assert estimate_step(SLICED, CHIP).hbm_bytes == layer + sliced + put
+
+
+STEPPED = """HloModule stepped, is_scheduled=true
+
+%fused_matmul (param_0: bf16[64,128], param_1: bf16[128,256]) -> bf16[64,256] {
+  %param_0 = bf16[64,128]{1,0} parameter(0)
+  %param_1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (u32[], bf16[64,128], bf16[128,256])) -> (u32[], bf16[64,128], bf16[128,256]) {
+  %p = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %a = bf16[64,128]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[128,256]{1,0} get-tuple-element(%p), index=2
+  %fusion.1 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+  %fusion.2 = bf16[64,256]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_matmul
+  %copy.1 = u32[] copy(%i)
+  %two = u32[] constant(2)
+  %next = u32[] add(%copy.1, %two)
+  ROOT %tuple.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %a, %w)
+}
+
+%cond (q: (u32[], bf16[64,128], bf16[128,256])) -> pred[] {
+  %q = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %eight = u32[] constant(8)
+  ROOT %lt = pred[] compare(%j, %eight), direction=LT
+}
+
+ENTRY %main (a: bf16[64,128], w: bf16[128,256]) -> (u32[], bf16[64,128], bf16[128,256]) {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %zero = u32[] constant(0)
+  %t = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %a, %w)
+  ROOT %while.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_whose_counter_steps_by_two_runs_half_as_many_times() -> None:
+    # The TPU compiler's windowed matmuls over an FSDP gather unroll their loop twice: the body
+    # holds two matmuls and adds 2 to its counter, and the condition says `counter < 8` with no
+    # stated trip count (seen on MaxText's 16B layer over v5e:4x4, where reading 8 iterations
+    # counted those matmuls twice). 4 iterations of 2 matmuls: 8 matmuls, not 16.
+    e = estimate_step(STEPPED, CHIP)
+    assert e.unknown_trip_counts == 0
+    assert e.flops == 8 * 2 * 64 * 256 * 128
+    assert e.instructions == 4 * 4  # each iteration: the two matmuls, the counter's copy and its add
+
+
+V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
+MODEL = {"kind": "transformer", "layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 256, "batch": 16,
+         "vocab": 256, "attention": "dense"}
+
+
+def _estimated(policy: str, mesh: dict[str, int], **changes: object) -> Measurement:
+    workload = build_workload(TransformerConfig(**{**MODEL, **changes}))
+    target = target_of(V5E)
+    executables = Executables(workload, target=target, mesh=target.mesh(mesh))
+    plan = RematPlan.uniform(policy, workload.layers)
+    return measure(executables, plan, budget=2**40, timing=TimingConfig(), gradient_tolerance=1e-3)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, Measurement]:
+    """The 2-layer model for a v5e 2x2 (three TPU compiles, a few seconds each)."""
+    fsdp = {"data": 2, "fsdp": 2}
+    return {
+        "none": _estimated("none", fsdp), "full": _estimated("full", fsdp),
+        "scanned": _estimated("none", fsdp, scan=True),
+    }
+
+
+def test_the_model_finds_the_compilers_matmul_flops_and_prices_recomputation(compiled: dict[str, Measurement]) -> None:
+    none, full = compiled["none"], compiled["full"]
+    for m in (none, full):
+        # Matmuls are nearly all of the compiler's own FLOP count; the rest is elementwise.
+        assert 0.9 * m.flops <= m.estimate.flops <= m.flops
+    assert full.estimate.flops > 1.2 * none.estimate.flops  # the forward pass again
+    assert full.estimate.compute_seconds > none.estimate.compute_seconds
+    # FSDP: full remat gathers each layer's weights again for the recomputed forward pass
+    # (jax 0.10.2, libtpu 0.0.42.1: 3.65 vs 3.51 MB received per chip).
+    assert full.estimate.collective_bytes > none.estimate.collective_bytes > 0
+
+
+def test_a_scanned_stack_is_counted_once_per_layer(compiled: dict[str, Measurement]) -> None:
+    unrolled, scanned = compiled["none"], compiled["scanned"]
+    # The compiler's own cost analysis counts a loop's body once; the trip count is read off
+    # the loop's condition (the TPU compiler does not state it), and each layer is counted, as
+    # unrolled: the same matmuls, and the loop slices one layer out of the stacked weights (jax
+    # 0.10.2, libtpu 0.0.42.1, 2 layers: 3.42 GFLOP both ways, 1.87 in the compiler's count;
+    # 3.63 vs 3.13 MB of HBM traffic).
+    assert scanned.estimate.unknown_trip_counts == 0
+    assert scanned.estimate.flops > 1.5 * scanned.flops
+    assert scanned.estimate.flops == pytest.approx(unrolled.estimate.flops, rel=0.01)
+    assert scanned.estimate.hbm_bytes < 1.25 * unrolled.estimate.hbm_bytes
+
+
+def test_show_says_which_model_estimated_a_time(compiled: dict[str, Measurement]) -> None:
+    shown = describe_trial(TrialResult(number=0, status="measured", measurement=compiled["none"]))
+    assert "by the per-instruction model" in shown and "the whole-program roofline says" in shown
+    older = compiled["none"].model_copy(update={"estimate": None})  # as measured before this model
+    shown = describe_trial(TrialResult(number=1, status="measured", measurement=older))
+    assert "by the whole-program roofline" in shown and "per-instruction" not in shown
+    assert older.time_model == "roofline" and compiled["none"].time_model == "fusions"
+    # A study searched before this model and resumed after it says its times do not compare.
+    trials = [TrialResult(number=i, status="measured", measurement=m) for i, m in enumerate((compiled["full"], older))]
+    assert "do not compare" in time_models_note(trials)
+    assert time_models_note(trials[:1]) is None and time_models_note(trials[1:]) is None
+
+
+def test_published_chips_have_their_ici_bandwidth_but_v4() -> None:
+    assert {name for name, chip in CHIPS.items() if chip.ici_bytes_per_second is None} == {"v4"}

@@ -1,0 +1,92 @@
+"""Every kind of target (remat_search.targets.base.TARGETS) under one contract: the devices plans
+are compiled for and a mesh over them, the memory per device, the compiler's version, and one
+tiny plan measured: run and timed where the target executes, compiled and estimated where it
+does not (a TPU topology, by libtpu on this host: one small compile)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+from remat_search import RunError, SpecError
+from remat_search.store import cache
+from remat_search.measure.executables import Executables, anchor_plan, measure
+from remat_search.measure.measurement import judge
+from remat_search.workloads.mlp import MlpWorkload
+from remat_search.spec.models import MlpConfig, TimingConfig, TpuTarget, target_kind
+from remat_search.targets.base import TARGETS, LocalTarget, Target, TpuAotTarget, hbm_of, probe_hbm, target_of
+
+EXAMPLES: dict[type[Target], Any] = {
+    LocalTarget: "local",
+    TpuAotTarget: TpuTarget(platform="tpu", topology="v5e:2x2"),
+}
+"""A spec's ``target`` of each kind, as the contract runs it (a new kind adds one here)."""
+TINY = MlpConfig(kind="mlp", layers=2, width=128, hidden=256, batch=16)
+
+
+def test_every_kind_of_target_has_an_example() -> None:
+    assert set(EXAMPLES) == set(TARGETS.values())
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request: pytest.FixtureRequest) -> Target:
+    config = EXAMPLES[TARGETS[request.param]]
+    assert target_kind(config) == request.param
+    made = target_of(config)  # the one place that picks the class
+    assert type(made) is TARGETS[request.param]
+    return made
+
+
+def test_a_target_names_its_devices_and_meshes_them(target: Target) -> None:
+    devices = target.devices()
+    assert devices and {d.platform for d in devices} == {target.platform}
+    assert target.name == ("local" if target.executes else EXAMPLES[type(target)].topology)
+    mesh = target.mesh({"data": len(devices)})
+    assert dict(mesh.shape) == {"data": len(devices)} and sorted(mesh.devices.flat, key=lambda d: d.id) == devices
+    # placed as jax.make_mesh places them (over a TPU topology's links: not in id order)
+    assert mesh.devices.tolist() == jax.make_mesh(mesh.devices.shape, ("data",), devices=devices).devices.tolist()
+    default = target.mesh(None)
+    assert default is None or default.size == len(devices)
+    with pytest.raises(SpecError, match=r"spec\.mesh: .* spans"):
+        target.mesh({"data": len(devices) + 1})
+
+
+def test_a_target_states_its_memory_and_its_compiler(target: Target) -> None:
+    limit = target.memory_limit(target.mesh({"data": len(target.devices())}))
+    assert limit is None if target.platform == "cpu" else limit > 2**30
+    version = target.compiler_version()  # libtpu's where it compiles for TPU: part of the cache key
+    assert (version is not None) == (target.platform == "tpu")
+
+
+def test_a_target_measures_a_plan_as_it_says(target: Target) -> None:
+    executables = Executables(MlpWorkload(TINY), target=target, mesh=target.mesh(None))
+    plan = anchor_plan(TINY.layers)  # the anchor and reference itself: one compile
+    timing = TimingConfig(warmup=1, repeats=2)
+    m = measure(executables, plan, budget=2**40, timing=timing, gradient_tolerance=1e-4)
+    assert m.status == "measured" and m.peak_bytes > 0 and m.flops > 0
+    assert (executables.build(plan).executable is not None) == target.executes
+    if target.executes:
+        assert m.time_source == "measured" and len(m.step_times) == 2 and m.grad_rel_error == 0.0
+        assert m.estimate is None and m.estimated_seconds is None and m.time_model is None
+    else:
+        assert m.time_source == "estimated" and m.step_times == () and m.grad_rel_error is None
+        assert m.estimate is not None and m.step_seconds == m.estimated_seconds == m.estimate.seconds > 0
+    over = measure(executables, plan, budget=m.peak_bytes - 1, timing=timing, gradient_tolerance=1e-4)
+    assert over.status == "over_budget" and over.step_seconds is None
+    # Where nothing executes the raw measurement is whole whatever the budget: a larger one judges it.
+    again = cache.measure_again(over.raw, budget=m.peak_bytes, repeats=2, anchored=True)
+    assert again == target.executes
+    if not target.executes:
+        assert judge(over.raw, budget=m.peak_bytes, gradient_tolerance=1e-4) == m
+
+
+def test_the_memory_of_a_chip_is_read_from_the_compilers_out_of_memory_report_alone() -> None:
+    said = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (1.00T) "
+            "exceeds available HBM (15.75G).")  # as libtpu 0.0.42.1 words it for the probe on a v5e
+    assert hbm_of(RuntimeError(said)) == int(15.75 * 2**30)
+    with pytest.raises(RunError, match=r"did not state the memory of a chip \(RuntimeError: INTERNAL: it crashed\)"):
+        hbm_of(RuntimeError("INTERNAL: it crashed\nat line 3"))
+    with pytest.raises(RunError, match="a program of 1 TiB a chip compiled without running out of memory"):
+        probe_hbm(LocalTarget().mesh({"data": 1}))  # on CPU the probe's program compiles: no limit to read
