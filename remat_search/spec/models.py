@@ -50,7 +50,7 @@ def storage_home() -> Path:
     runs from (``pip install -e .``); else ``~/.local/share/remat-search``."""
     if os.environ.get(HOME_ENV):
         return Path(os.environ[HOME_ENV]).expanduser().resolve()
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # remat_search/spec/models.py
     if (checkout / "pyproject.toml").is_file() and (checkout / "storage").is_dir():
         return checkout / "storage"
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "remat-search"

@@ -22,7 +22,7 @@ def _measure_broken(storage_url: str) -> str:
 
 def test_a_candidate_that_raises_fails_with_one_line(storage_url: str, capfd: pytest.CaptureFixture[str]) -> None:
     error = _measure_broken(storage_url)
-    assert error.startswith("RuntimeError: this model is broken (at workloads.py:") and "\n" not in error
+    assert error.startswith("RuntimeError: this model is broken (at factories.py:") and "\n" not in error
     assert "this model is broken" not in capfd.readouterr().err
 
 
@@ -32,7 +32,7 @@ def test_with_remat_search_debug_a_candidate_that_raises_shows_the_workers_trace
     monkeypatch.setenv("REMAT_SEARCH_DEBUG", "1")  # before the worker starts, which inherits it
     error = _measure_broken(storage_url)
     first, _, rest = error.partition("\n")
-    assert first.startswith("RuntimeError: this model is broken (at workloads.py:")  # the line tables show
+    assert first.startswith("RuntimeError: this model is broken (at factories.py:")  # the line tables show
     assert rest.startswith("worker traceback:\nTraceback (most recent call last):")
     assert 'workloads.py", line' in rest and 'raise RuntimeError("this model is broken")' in rest
     assert "executables.py" in rest  # the worker's own frames, from where it compiles the plan

@@ -24,7 +24,7 @@ from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 FAULTS: list[tuple[str, dict[str, Any], str]] = [
     ("tests.factories:faulty compile", {},
      "JaxRuntimeError: NOT_FOUND: No FFI handler registered for remat_search_no_such_kernel"),
-    ("tests.factories:faulty raise_trace", {}, "RuntimeError: this model is broken (at workloads.py:"),
+    ("tests.factories:faulty raise_trace", {}, "RuntimeError: this model is broken (at factories.py:"),
     ("tests.factories:faulty raise_run", {}, "CpuCallback error calling callback: ValueError: the input pipeline broke"),
     ("tests.factories:faulty hang", {"timing": {**FAST_TIMING, "timeout": "10s"}},
      "timed out after 10 s (timing.timeout); worker killed"),
