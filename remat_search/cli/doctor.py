@@ -33,11 +33,11 @@ import sqlalchemy.exc
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.store.cache import measurements
 from remat_search.errors import StorageError
-from remat_search.store.liveness import orphaned
 from remat_search.measure.runner import Runner, installed_versions
 from remat_search.spec.models import HeartbeatConfig, MlpConfig
+from remat_search.store.cache import measurements
+from remat_search.store.liveness import orphaned
 from remat_search.store.storage import (
     HOST_ATTR,
     PID_ATTR,

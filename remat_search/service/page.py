@@ -16,12 +16,12 @@ import json
 import urllib.parse
 from collections.abc import Callable
 
-from remat_search.report import pictures
 from remat_search.errors import SpecError
-from remat_search.cli.output import eta_text, progress_text
+from remat_search.report import pictures
 from remat_search.report.queries import StudySummary
 from remat_search.report.results import StudyReport
-from remat_search.units import format_bytes, format_seconds, size_argument
+from remat_search.report.text import eta_text, fastest_text, progress_text
+from remat_search.units import format_bytes, size_argument
 
 
 def render_page(summary: StudySummary, report: StudyReport) -> str:
@@ -31,8 +31,7 @@ def render_page(summary: StudySummary, report: StudyReport) -> str:
     budget = size_argument(summary.budget) if summary.budget else ""
     share = summary.done / summary.total if summary.total else 1.0 if summary.done else 0.0
     fastest = (
-        f"{format_seconds(summary.fastest_seconds)}{' (est.)' if summary.estimated else ''}"
-        f"<small>trial {summary.fastest_trial}</small>"
+        f"{fastest_text(summary)}<small>trial {summary.fastest_trial}</small>"
         if summary.fastest_seconds is not None and summary.fastest_trial is not None else "—"
     )
     data = {"base": base, "budget": budget, "total": summary.total, "done": summary.done}
@@ -117,8 +116,6 @@ def _front_svg(report: StudyReport) -> str:
 
 def _layers_svg(report: StudyReport) -> str:
     return pictures.layers_svg(report)
-
-
 
 
 def _json_for_script(data: object) -> str:

@@ -1,7 +1,8 @@
 """The HTTP face of remat-search: the studies of one storage, read as the CLI reads them, and
 searches submitted as ``remat-search submit`` submits them (``remat-search serve``).
 
-Every answer comes from the functions the CLI calls, so the two never disagree:
+Every answer comes from the functions the CLI calls, in the words of ``report.text`` that it
+prints too, so the two never disagree:
 ``GET /studies/{study}/best?budget=14GiB`` returns, byte for byte, what ``best --json`` prints
 (the plan's canonical JSON, which :meth:`RematPlan.from_json` loads), ``/pareto`` what
 ``pareto --json`` prints, ``/studies`` the rows of ``studies``. A browser asking for
@@ -28,19 +29,19 @@ from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from remat_search.cli import output
 from remat_search.errors import NoFeasiblePlan, RematSearchError, SpecError, StorageError, WorkloadError
-from remat_search.service.page import render_page
 from remat_search.plans.plan import RematPlan
 from remat_search.report.queries import StudySummary, budget_bytes, list_studies, summarize
 from remat_search.report.results import TrialResult
+from remat_search.report.stored import open_study
+from remat_search.report.text import front_json, no_trial_text, untimed_text
+from remat_search.service.page import render_page
 from remat_search.spec.models import check_study_name, parse_spec
 from remat_search.store.storage import resolve_url, shown_url
-from remat_search.report.stored import open_study
 from remat_search.units import format_bytes
 
 STATUS: dict[type[Exception], int] = {SpecError: 422, WorkloadError: 422, StorageError: 404, NoFeasiblePlan: 404}
-"""The HTTP status of each error (as ``cli.EXIT_CODES`` gives its exit code); any other is 500."""
+"""The HTTP status of each error (as ``cli.app.EXIT_CODES`` gives its exit code); any other is 500."""
 MAX_SPEC_BYTES = 1 << 20
 """The largest spec ``POST /studies`` reads: a spec is a page of YAML."""
 JSON_TYPES = ("application/json",)
@@ -108,15 +109,14 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
     def pareto(study: str) -> Response:
         with open_study(_name(study), url) as stored:
             front = stored.front()
-        return Response(output.front_json(front) + "\n", media_type="application/json")
+        return Response(front_json(front) + "\n", media_type="application/json")
 
     @app.get("/studies/{study}/trials/{number}", summary="One trial, as `remat-search show --trial N` reads it")
     def trial(study: str, number: int) -> TrialResult:
         with open_study(_name(study), url) as stored:
             found, total = stored.trial(number), sum(stored.count().values())
         if found is None:
-            have = f"trials 0..{total - 1}" if total else "no trials yet"
-            raise HTTPException(404, f"trial: study {stored.name!r} has no trial {number} (it has {have})")
+            raise HTTPException(404, f"trial: {no_trial_text(stored.name, number, total)}")
         return found
 
     @app.get(
@@ -143,10 +143,7 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
             "X-Remat-Search-Time-Source": str(found.time_source),
         }
         if untimed:
-            headers["X-Remat-Search-Note"] = (
-                f"{len(untimed)} plan(s) fit {format_bytes(limit)} but were never timed, being over the study's "
-                f"budget of {format_bytes(stored.budget)}"
-            )
+            headers["X-Remat-Search-Note"] = untimed_text(len(untimed), limit, stored.budget)
         return Response(found.plan.to_json() + "\n", media_type="application/json", headers=headers)
 
     @app.post(

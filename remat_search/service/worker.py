@@ -1,7 +1,7 @@
 """The worker: a long-running process that measures whatever the storage holds unfinished.
 
 ``remat-search worker --storage URL`` takes the oldest study with work left (fewer finished
-and running trials than its spec's ``trials``) and searches it with :func:`search.run`, the
+and running trials than its spec's ``trials``) and searches it with :func:`search.loop.run`, the
 same code as ``run`` with the same guarantees (exact totals over every host, no plan measured
 twice at once, dead trials found by heartbeat), as it was submitted, on this host's devices.
 Then the next; when nothing is left it looks again every ``poll`` seconds, or returns
@@ -23,13 +23,13 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.errors import RematSearchError, RunError
-from remat_search.store.liveness import heartbeat_storage_options, recover
 from remat_search.report.results import TrialResult
 from remat_search.search.loop import run
 from remat_search.search.space import Space
-from remat_search.store.storage import LAYERS_ATTR, SPEC_ATTR, open_storage, translate_errors
 from remat_search.search.study import Progress, finished_trials
 from remat_search.search.submission import spec_of_submitted
+from remat_search.store.liveness import heartbeat_storage_options, recover
+from remat_search.store.storage import LAYERS_ATTR, SPEC_ATTR, open_storage, translate_errors
 
 Event = dict[str, Any]
 EventCallback = Callable[[Event], None]

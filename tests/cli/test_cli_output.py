@@ -11,12 +11,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from remat_search.cli import output
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import parse_spec
 from remat_search.store.storage import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
-
-from tests.conftest import spec_dict
 
 
 def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: str) -> None:  # type: ignore[no-untyped-def]
@@ -36,15 +32,6 @@ def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: s
     assert "running" in rows["1"] and "full×2" in rows["1"]
     assert "waiting" in rows["2"]
     assert "failed: E [/]" in rows["0"]
-
-
-@pytest.mark.parametrize(("written", "line"), [
-    ("38mb", "budget 38mb = 36.2 MiB"), ("38MiB", "budget 38MiB"), ("1.6e10", "budget 1.6e10 = 14.9 GiB"),
-    (39845888, "budget 39845888 = 38.0 MiB"), ("16 GiB", "budget 16 GiB"), ("2.5MiB", "budget 2.5MiB"),
-])
-def test_the_budget_line_says_what_a_written_budget_means(written: object, line: str) -> None:
-    spec = parse_spec(spec_dict("sqlite:///unused.db", budget=written))
-    assert output.budget_line(spec.budget_text, spec.budget) == line
 
 
 COMMANDS = ("run", "pareto", "best", "plan", "confirm", "studies", "show")

@@ -13,7 +13,7 @@ import remat_search
 from remat_search import LayerPolicy, RematPlan, build_workload
 from remat_search.measure.executables import Executables, gradient_error, measure, retime
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
-from remat_search.cli.output import describe_trial
+from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TransformerConfig, parse_spec
 

@@ -9,7 +9,7 @@ import pytest
 
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.measurement import Measurement
-from remat_search.cli.output import describe_trial, time_models_note
+from remat_search.report.text import describe_trial, time_models_note
 from remat_search.plans.plan import RematPlan
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig

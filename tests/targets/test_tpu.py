@@ -13,7 +13,7 @@ import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
 from remat_search.measure.executables import Executables, io_bytes, measure
 from remat_search.measure.measurement import Measurement
-from remat_search.cli.output import describe_trial
+from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig, parse_spec
 from remat_search.targets.step_time import CHIPS

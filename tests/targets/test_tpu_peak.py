@@ -11,7 +11,7 @@ import pytest
 from remat_search import RematPlan, build_workload
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.measurement import Measurement, MemoryBreakdown
-from remat_search.cli.output import describe_trial
+from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import NnxConfig, TimingConfig, TpuTarget, TransformerConfig
 from remat_search.targets.base import target_of

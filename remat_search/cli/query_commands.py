@@ -1,0 +1,186 @@
+"""The commands that read studies: ``pareto``, ``best``, ``plan``, ``studies`` and ``show``.
+
+Each checks its flags, reads the study through ``report.stored`` (``plan`` through the
+planner, ``studies`` through ``report.queries``) and prints a table or JSON through
+:mod:`cli.output`, and with ``--plot`` a picture through ``report.pictures``. Nothing here
+writes, but ``plan --measure``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from remat_search.cli import flags, output
+from remat_search.cli.flags import BudgetOption, PlotOption, StorageOption, StudyOption
+from remat_search.errors import SpecError
+from remat_search.report.text import (
+    answer_note,
+    describe_trial,
+    front_json,
+    no_trial_text,
+    sharding_line,
+    time_models_note,
+    untimed_text,
+)
+from remat_search.units import format_bytes
+
+
+def _plot_path(plot: Path | None) -> Path | None:
+    """``--plot``'s file, checked before the study is read (matplotlib, suffix, folder)."""
+    if plot is None:
+        return None
+    from remat_search.report import pictures
+
+    pictures.require()
+    return pictures.check_path(plot)
+
+
+def _draw(report: Any, plot: Path, *, layers: bool) -> None:
+    """Write ``report``'s front (and, with ``layers`` or to an .html page, its front's plans
+    layer by layer) to ``plot``, and say so on stderr."""
+    from remat_search.report import pictures
+
+    figures = [pictures.front_figure(report)]
+    if layers or plot.suffix.lower() == ".html":
+        figures.append(pictures.layers_figure(report))
+    output.note(f"wrote {pictures.save(figures, plot)}")
+
+
+def pareto(
+    study: StudyOption,
+    storage: StorageOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the front as JSON.")] = False,
+    plot: PlotOption = None,
+) -> None:
+    """Show the Pareto front: no other plan is both faster and smaller.
+
+    --plot draws it: step time against compiled peak, every timed plan (presets, planner
+    proposals, other sampled plans and confirmed plans by marker), the front as a step line,
+    the budget line with the plan `best` returns for it starred, and the plans over budget,
+    never run, on a strip above at their compiled peaks. An .html page adds the plans on the
+    front layer by layer.
+    """
+    from remat_search.report.stored import open_study
+
+    path = _plot_path(plot)
+    with open_study(flags.study(study), storage) as stored:
+        report = stored.report() if path is not None else None
+        front = list(report.front) if report is not None else stored.front()
+    if as_json:
+        print(front_json(front))
+    else:
+        output.console.print(output.front_table(stored.name, stored.budget, front))
+    if report is not None and path is not None:
+        _draw(report, path, layers=False)
+
+
+def best(
+    study: StudyOption,
+    budget: BudgetOption,
+    storage: StorageOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
+    form: Annotated[str, typer.Option(
+        "--format", metavar="table|json|yaml|maxtext",
+        help="table (default); json (= --json), yaml: the plan alone; maxtext: MaxText's remat settings "
+             "(remat_policy: full, or custom with device/offload/remat per tensor name) where the plan has that form.",
+    )] = "table",
+) -> None:
+    """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
+    from remat_search.plans.export import FORMATS, export
+    from remat_search.report.results import settlement
+    from remat_search.report.stored import open_study
+
+    if form != "table" and form not in FORMATS:
+        raise SpecError(f"--format: expected table, {', '.join(FORMATS)}; got {form!r}")
+    form = "json" if as_json else form
+    limit = flags.budget(budget)
+    with open_study(flags.study(study), storage) as stored:
+        found = stored.best(limit)
+        untimed = stored.untimed_within(limit)
+    note = answer_note(found, limit, settlement(stored.attrs), stored.name)
+    if form != "table":
+        assert found.plan is not None
+        print(export(found.plan, form))  # type: ignore[arg-type]
+    else:
+        output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
+        output.console.print(describe_trial(found))
+    if note:
+        output.note(note)
+    if untimed:
+        output.errors.print(
+            f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them"
+        )
+
+
+def plan(
+    study: StudyOption,
+    budget: BudgetOption,
+    storage: StorageOption = None,
+    measure: Annotated[bool, typer.Option("--measure", help="Compile and time the plan as one more trial of the study (unless it was measured).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON.")] = False,
+) -> None:
+    """The planner's predicted-best plan for any budget, beside what was measured of it.
+
+    The cost model is fitted to every plan the study compiled (the uniform presets give
+    each choice's cost, mixed plans correct it per layer) and solved for the budget: exactly
+    unless its front had to be thinned, which the output says.
+    A prediction is not a measurement: `best` only returns measured plans.
+    """
+    from remat_search.search.loop import plan_for_budget
+
+    output.quiet_optuna()
+    advice = plan_for_budget(flags.study(study), flags.budget(budget), storage=storage, measure=measure)
+    if as_json:
+        print(advice.plan.to_json())
+        return
+    output.console.print(output.advice_table(advice))
+    if advice.measured is None:
+        output.errors.print(f"not measured yet; add --measure to compile and time it as a trial of {advice.study!r}")
+
+
+def studies(storage: StorageOption = None) -> None:
+    """List the studies in the storage."""
+    from remat_search.report.queries import list_studies
+
+    output.console.print(output.studies_table(list_studies(storage)))
+
+
+def show(
+    study: StudyOption,
+    trial: Annotated[int | None, typer.Option(metavar="N", help="Show this trial in full.")] = None,
+    storage: StorageOption = None,
+    plot: PlotOption = None,
+) -> None:
+    """Every trial of a study, or one trial in full.
+
+    --plot draws the study: the front (as `pareto --plot` does) and, under it, the plans on
+    the front layer by layer (a row a plan with its step time and peak, a column a layer,
+    coloured by policy); .png and .svg stack both in one picture.
+    """
+    from remat_search.report.stored import open_study
+
+    path = _plot_path(plot)
+    with open_study(flags.study(study), storage) as stored:
+        report = stored.report() if path is not None else None
+        if trial is None:
+            trials = list(report.trials) if report is not None else stored.trials()
+        else:
+            found, count = stored.trial(trial), stored.count()
+    if trial is not None and found is None:
+        raise SpecError(f"--trial: {no_trial_text(stored.name, trial, sum(count.values()))}")
+    if trial is None:
+        output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
+        if note := time_models_note(trials):
+            output.note(note)
+    else:
+        output.console.print(describe_trial(found), highlight=False)
+    if stored.device.get("workload_note"):
+        output.console.print(stored.device["workload_note"], highlight=False, markup=False)
+    if stored.device.get("shardings"):
+        line = sharding_line(stored.device.get("mesh"), stored.device["shardings"], stored.device.get("device_order"))
+        output.console.print(line, highlight=False, markup=False)
+    if report is not None and path is not None:
+        _draw(report, path, layers=True)

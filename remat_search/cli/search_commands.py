@@ -1,0 +1,262 @@
+"""The commands that measure: ``run``, ``submit``, ``worker`` and ``confirm``.
+
+Each checks its flags, calls one library function (``search.loop.run``,
+``search.submission.submit``, ``service.worker.work``, ``search.confirm.confirm_study``) and
+prints its progress as it comes and its result through :mod:`cli.output`. ``app`` registers
+them; the library loads inside each, so that ``--help`` does not import JAX or optuna.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from remat_search.cli import flags, output
+from remat_search.cli.flags import RunStorageOption, SpecArgument, StorageOption, StudyOption
+from remat_search.errors import SpecError
+from remat_search.report.text import budget_line, running_text, trial_line
+from remat_search.spec.models import STORAGE_ENV
+from remat_search.units import format_seconds, size_argument
+
+
+def run(
+    spec: SpecArgument,
+    storage: RunStorageOption = None,
+    workers: Annotated[str | None, typer.Option(
+        metavar="N|auto", show_default=False,
+        help="Worker processes measuring plans at once (default: the spec's workers, else 1). auto: one "
+             "per two cores, as host memory allows. Compiles run in parallel; plans run on a local device "
+             "one at a time.",
+    )] = None,
+) -> None:
+    """Search the spec's space; running it again resumes an interrupted study.
+
+    Every candidate is compiled; one over the budget is recorded and never run; one that
+    fits is run, its first step checked against full remat's, and its step timed. The uniform
+    presets go first, then the planner's predicted-best plans (sampler: planner), and the
+    fastest plans that fit are re-timed interleaved at the end, racing until the plan that
+    ranks first at the budget was re-timed (confirm: {top, rounds, races}).
+    A plan measured before for this workload and device, in any study, is not compiled
+    again (unless it was only compiled, over an earlier budget, and now fits).
+
+    Several hosts share a study by running the same command against one PostgreSQL URL
+    (--storage): each measures plans the others are not measuring, and a trial whose host
+    died is taken back after the heartbeat's grace period.
+    """
+    from remat_search.report.results import rank
+    from remat_search.spec.models import load_spec
+
+    loaded = load_spec(spec, storage=storage, workers=flags.workers(workers))
+    _importable_from(spec)
+    if loaded.budget is not None:
+        output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
+    try:
+        report = _search(loaded)
+    except KeyboardInterrupt:
+        again = ["remat-search", "run", str(spec)]
+        if storage and storage != os.environ.get(STORAGE_ENV):
+            again += ["--storage", storage]
+        if workers:
+            again += ["--workers", workers]
+        output.note(f"interrupted: finished trials are kept, and the same command resumes the study: {shlex.join(again)}")
+        raise typer.Exit(130) from None
+    output.console.print(output.front_table(report.study, report.budget, report.front))
+    confirmed = sorted((t for t in report.timed() if t.confirmed), key=rank)
+    if confirmed:
+        output.console.print(output.confirmed_table(report, confirmed))
+    screened = sum(1 for t in report.trials if t.measurement and t.measurement.screened_bytes is not None)
+    output.console.print(
+        f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
+        + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
+        f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
+        f"--budget {size_argument(report.budget)} --json > plan.json", soft_wrap=True,  # a command: one line
+    )
+
+
+def _importable_from(spec: Path) -> None:
+    """Let a spec's ``workload.factory`` import from the spec's folder and the current one, as
+    ``python -m`` would (a console script's import path has neither); the worker processes,
+    spawned, share this process's path."""
+    for folder in (str(Path.cwd()), str(spec.resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def _search(loaded: Any) -> Any:
+    """Run the search of ``loaded``, telling its progress: in a terminal a bar that shows the
+    trial being measured; elsewhere (CI, nohup, a pipe) a line a trial. Return its report."""
+    from remat_search.search.loop import run as run_search
+
+    output.quiet_optuna()
+
+    def lines(p: Any) -> list[str]:
+        if p.event == "result":
+            return [trial_line(p.trial, p.done, p.total)]
+        return output.progress_lines(p, loaded.study, budget_given=loaded.budget is not None)
+
+    if not output.console.is_terminal:
+        with output.library_notes():
+            return run_search(loaded, on_progress=lambda p: output.print_lines(*lines(p)))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with output.library_notes(), Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[best]}"), console=output.console, transient=False,
+    ) as bar:
+        task = bar.add_task("starting the worker…", total=loaded.trials, best="")
+        best: list[float] = []
+
+        def on_progress(p: Any) -> None:
+            if p.event != "trial" and (p.event != "result" or p.trial.status == "failed"):
+                output.print_lines(*lines(p), to=bar.console)
+            if p.event == "start":
+                bar.update(task, completed=p.done, description="searching")
+            elif p.event == "trial":
+                bar.update(task, description=running_text(p.trial))
+            elif p.event == "result":
+                if p.trial.status == "measured" and p.trial.step_seconds is not None:
+                    best.append(p.trial.step_seconds)
+                so_far = f"best fitting step {format_seconds(min(best))}" if best else "no fitting plan yet"
+                bar.update(task, completed=p.done, best=so_far)
+            elif p.event == "confirm":
+                bar.update(task, description=f"confirming {p.plans} plans × {p.rounds} rounds")
+            elif p.event == "confirmed":
+                bar.update(task, description=f"confirmed {p.plans} plans")
+
+        return run_search(loaded, on_progress=on_progress)
+
+
+def submit(spec: SpecArgument, storage: RunStorageOption = None) -> None:
+    """Store the spec's study for workers to measure, and return at once.
+
+    The spec is checked as `run` checks it (its workload is built, its space's names are the
+    workload's) and stored with the study, its uniform presets queued first. Any
+    `remat-search worker` on the same storage then measures it, on its own host; `run SPEC`
+    is submit, then work on it until it is finished. Submitting the same spec again changes
+    nothing but its settings (more trials, say); another study of that name is refused.
+    """
+    from remat_search.search.submission import submit as submit_study
+    from remat_search.spec.models import load_spec
+
+    output.quiet_optuna()
+    loaded = load_spec(spec, storage=storage)
+    _importable_from(spec)
+    done = submit_study(loaded)
+    said = "submitted study" if done.created else "study"
+    again = "" if done.created else " was already submitted"
+    output.console.print(
+        f"{said} {done.study!r}{again} ({done.done}/{done.total} trials) to {done.storage}", highlight=False,
+        soft_wrap=True, markup=False,
+    )
+
+
+def worker(
+    storage: StorageOption = None,
+    workers: Annotated[str, typer.Option(
+        metavar="N|auto", help="Worker processes measuring plans at once, as in `run --workers`."
+    )] = "1",
+    until_idle: Annotated[bool, typer.Option(
+        "--until-idle", help="Exit once no submitted study has work left (default: wait for more)."
+    )] = False,
+    poll: Annotated[float, typer.Option(
+        min=0.1, metavar="SECONDS", help="How often an idle worker looks for new studies."
+    )] = 5.0,
+) -> None:
+    """Measure submitted studies until stopped: the service's worker, one or more per host.
+
+    Takes the oldest study with trials left to take, measures it exactly as `run` would
+    (the same guarantees: no plan measured twice at once, exactly `trials` finished however
+    many workers and hosts share it, dead hosts' trials queued again by heartbeat), then the
+    next. A study this host cannot measure (another device kind measures it) is left to others.
+
+    Logs one JSON line per trial on stdout: study, trial, plan, status, peak_bytes, seconds.
+    Ctrl-C or SIGTERM fail the trial in hand as interrupted and queue its plan again (another
+    worker takes it), and say so; SIGTERM exits 0, Ctrl-C 130.
+    """
+    import signal
+
+    from remat_search.service.worker import work
+    from remat_search.store.storage import resolve_url
+
+    output.quiet_optuna()
+    url = resolve_url(storage)
+    in_hand: dict[tuple[str, int], str] = {}
+    stopped_by: list[str] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        key = (event.get("study", ""), event.get("trial", -1))
+        if event["event"] == "measuring":
+            in_hand[key] = event["plan"]
+            return
+        in_hand.pop(key, None)
+        output.print_lines(json.dumps(event, default=str, ensure_ascii=False))
+
+    def terminate(signum: int, _: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        with output.library_notes():
+            work(url, workers=flags.workers(workers) or 1, until_idle=until_idle, poll=poll, on_event=on_event)
+    except KeyboardInterrupt:
+        why = stopped_by[0] if stopped_by else "SIGINT"
+        requeued = ", ".join(f"trial {n} of {s!r} ({plan})" for (s, n), plan in sorted(in_hand.items()))
+        output.note(
+            f"worker: stopped by {why}; "
+            + (f"{requeued}: failed as interrupted, its plan queued again for any worker" if requeued
+               else "no trial was in hand")
+        )
+        raise typer.Exit(0 if stopped_by else 130) from None
+
+
+def confirm(
+    study: StudyOption,
+    budget: Annotated[
+        str | None, typer.Option(metavar="SIZE", help="Confirm plans that fit this. Default: the study's budget.")
+    ] = None,
+    top: Annotated[int, typer.Option(min=2, metavar="N", help="How many of the fastest fitting plans to re-time.")] = 3,
+    rounds: Annotated[
+        int, typer.Option(min=1, metavar="N", help="Interleaved rounds (A B C A B C …) after the warm-up.")
+    ] = 10,
+    presets: Annotated[
+        bool, typer.Option(help="Also re-time every uniform plan (preset) that fits, as baselines.")
+    ] = True,
+    races: Annotated[int, typer.Option(
+        metavar="N",
+        help="Race at most N times: while a plan not re-timed ranks first by its search time, re-time it with "
+             "the others in a new session.",
+    )] = 10,  # confirm.races' default
+    storage: StorageOption = None,
+) -> None:
+    """Re-time the fastest plans that fit, interleaved, and rank them by those medians.
+
+    Timings on a shared machine drift; interleaving puts every plan through the same slow
+    spells. The times are stored in the study and `best` ranks by them from then on. Re-timed
+    plans tend to come back slower than the search's single times saw them, so it races: while
+    a plan it did not re-time ranks first at the budget, that plan is re-timed with the others
+    (at most --races times), so `best` at this budget answers with a re-timed plan. Each plan
+    is set against the fastest, paired round by round with a 95% interval; ≈ marks those the
+    timing cannot tell from it.
+    """
+    from remat_search.search.confirm import confirm_study
+
+    output.quiet_optuna()
+    limit = flags.budget(budget) if budget is not None else None
+    if races < 0:
+        raise SpecError(f"--races: expected 0 or more races, got {races}")
+    with output.library_notes():
+        report, confirmed = confirm_study(
+            flags.study(study), budget=limit, top=top, rounds=rounds, presets=presets, races=races, storage=storage,
+            on_progress=lambda p: output.print_lines(*output.progress_lines(p, study)),
+        )
+    if not confirmed:
+        output.errors.print("only one plan that ran fits: there is nothing to order")
+        return
+    output.console.print(output.confirmed_table(report, confirmed))

@@ -1,0 +1,280 @@
+"""A study and its trials in words: the plain text both faces print, the CLI and the service.
+
+Lines and notes, not tables: a trial's step time as every table shows it, a trial in a log
+line or in full, a study's progress and estimated time to finish, the front as JSON, the
+budget as understood. The CLI sets them in its rich tables and prints them; the service
+answers with them and puts them in the study's page; so the two say the same thing in the
+same words. Nothing here imports rich.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from remat_search.units import format_bytes, format_duration, format_seconds, size_argument
+
+if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
+    from remat_search.measure.measurement import MemoryBreakdown, RawMeasurement
+    from remat_search.report.queries import StudySummary
+    from remat_search.report.results import Settlement, TrialResult
+
+
+def front_json(front: Iterable[TrialResult]) -> str:
+    """The front as ``pareto --json`` prints it (and ``GET /studies/{study}/pareto`` returns it)."""
+    return json.dumps([t.model_dump(mode="json") for t in front], indent=2)
+
+
+def progress_text(s: StudySummary) -> str:
+    """``4/12``: trials done of the spec's (``4`` where the study does not store its total)."""
+    return f"{s.done}/{s.total}" if s.total is not None else str(s.done)
+
+
+def eta_text(s: StudySummary) -> str:
+    """The estimated time to finish, ``finished`` once done, else ``—`` (nothing finished yet)."""
+    if s.eta_seconds is not None:
+        return "~" + format_duration(s.eta_seconds)
+    return "finished" if s.total is not None and s.done >= s.total else "—"
+
+
+def fastest_text(s: StudySummary) -> str:
+    """The study's fastest step so far, ``(est.)`` where estimated, else ``—``."""
+    if s.fastest_seconds is None:
+        return "—"
+    return format_seconds(s.fastest_seconds) + (" (est.)" if s.estimated else "")
+
+
+def step_text(t: TrialResult) -> str:
+    """A plan's one time as tables print it: ``80.3 ms ✓`` where confirmed, ``(est.)`` where estimated."""
+    if t.seconds is None:
+        return "—"
+    return format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": " (est.)"}.get(t.time_source or "", "")
+
+
+def gflop_text(flops: float) -> str:
+    """FLOPs in GFLOP: whole numbers from 100 GFLOP, else two decimals."""
+    return f"{flops / 1e9:,.0f}" if flops >= 1e11 else f"{flops / 1e9:.2f}"
+
+
+def budget_line(written: str | None, budget: int) -> str:
+    """The budget as understood: ``budget 38MiB`` where the spec wrote it in binary units, else
+    what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
+    if written is None:
+        return f"budget {format_bytes(budget)}: the device's memory (the spec gives no budget)"
+    if re.search(r"\d\s*[KMGT]iB$", written.strip(), re.IGNORECASE):
+        return f"budget {written}"
+    return f"budget {written} = {format_bytes(budget)}"
+
+
+def sharding_line(mesh: dict[str, int] | None, shardings: str, device_order: list[int] | None = None) -> str:
+    """Where the state's shardings over the mesh came from, and the order of the devices over it
+    (``DeviceInfo.device_order``; None: their id order), in a line (``run`` and ``show``)."""
+    if device_order is None:
+        devices = "devices in id order"
+    else:
+        shown = device_order if len(device_order) <= 16 else [*device_order[:16], "…"]
+        devices = f"devices [{', '.join(map(str, shown))}] (jax.make_mesh's order)"
+    return f"shardings over mesh {mesh} of {devices}: {shardings}"
+
+
+def no_trial_text(study: str, number: int, total: int) -> str:
+    """That ``study``, of ``total`` trials, has no trial ``number`` (``show --trial``, ``GET .../trials/N``)."""
+    have = f"trials 0..{total - 1}" if total else "no trials yet"
+    return f"study {study!r} has no trial {number} (it has {have})"
+
+
+def untimed_text(count: int, budget: int, study_budget: int) -> str:
+    """That ``count`` plans fit ``budget`` but were never timed, being over the study's own
+    budget (what ``best`` notes and ``GET .../best`` says in a header)."""
+    return (
+        f"{count} plan(s) fit {format_bytes(budget)} but were never timed, being over the study's budget of "
+        f"{format_bytes(study_budget)}"
+    )
+
+
+def answer_note(t: TrialResult, budget: int, settled: Settlement, study: str) -> str | None:
+    """What ``best`` adds about where its answer's time comes from, unless it is a confirmed
+    plan of a budget the latest confirmation settled: that it was never re-timed, or that the
+    confirmation's races ran out at this budget."""
+    if t.time_source != "search":
+        return None
+    again = f"remat-search confirm --study {study} --budget {size_argument(budget)}"
+    if budget in settled.exhausted:
+        return (
+            f"note: not re-timed: the confirmation's race budget ran out at {format_bytes(budget)} with this plan "
+            f"first by its one search time (biased low among many); `{again} --races N` races further"
+        )
+    return (
+        f"note: not re-timed: its time is the search's single measurement, and the fastest of many noisy times "
+        f"is biased low; `{again}` re-times it against the others until the plan that ranks first was re-timed"
+    )
+
+
+def trial_line(t: TrialResult, done: int, total: int) -> str:
+    """One finished trial in a line, for logs: number, plan, status, peak and step."""
+    m = t.measurement
+    status = "fits" if t.time_estimated else t.status
+    line = f"trial {t.number} ({done}/{total}) {t.summary()}: {status}"
+    if t.status == "failed":
+        return line + f": {(t.error or 'unknown failure').splitlines()[0]}"
+    if m is not None and m.screened_bytes is not None:
+        line += f", peak ~{format_bytes(m.screened_bytes)} predicted: not compiled, never run"
+    elif t.peak_bytes is not None:
+        line += f", peak {format_bytes(t.peak_bytes)}"
+        line += f", step {step_text(t)}" if t.seconds else ": never run"
+    if t.reused_from is not None:
+        line += f" (= trial {t.reused_from}: the same plan, its measurement reused)"
+    if t.cached_from:
+        line += f" (cached from {t.cached_from}: not compiled again)"
+    if t.same_program_as:
+        line += f" (the same compiled program as {t.same_program_as}: its measurement reused, not run again)"
+    return line
+
+
+def running_text(t: TrialResult) -> str:
+    """What the search is doing with a trial now, for a progress bar."""
+    if t.reused_from is not None or t.cached_from:
+        return f"trial {t.number}: reusing the measurement of {t.summary()}"
+    return f"trial {t.number}: compiling and timing {t.summary()}"
+
+
+def time_models_note(trials: Iterable[TrialResult]) -> str | None:
+    """A note where a study's step times were estimated by more than one model (a study
+    searched before the per-instruction model, resumed after it): their times do not compare."""
+    older = sum(1 for t in trials if t.measurement is not None and t.measurement.time_model == "roofline")
+    newer = sum(1 for t in trials if t.measurement is not None and t.measurement.time_model == "fusions")
+    if not (older and newer):
+        return None
+    return (
+        f"note: {older} trial(s) were estimated by the whole-program roofline and {newer} by the per-instruction "
+        "model that replaced it: their step times do not compare; search again under a new study name"
+    )
+
+
+def _estimate_line(m: RawMeasurement) -> str:
+    """How a compile-only target's step time was estimated, by which model (``time_model``)."""
+    e = m.estimate
+    if e is None:  # measured before the per-instruction model (schema 3 and older)
+        return (
+            f"  step: estimated {format_seconds(m.estimated_seconds)} by the whole-program roofline of "
+            f"{(m.flops or 0) / 1e9:.1f} GFLOP and {(m.bytes_accessed or 0) / 1e9:.2f} GB of HBM traffic per chip "
+            "(the older model; nothing was run)"
+        )
+    old = f"; the whole-program roofline says {format_seconds(e.roofline_seconds)}" if e.roofline_seconds else ""
+    return (
+        f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
+        f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP, "
+        f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
+        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){old}; nothing was run"
+    )
+
+
+def _unreported_line(mem: MemoryBreakdown) -> str:
+    """What ``show`` says of a breakdown whose figures ``memory_analysis()`` gave as 0 or less."""
+    names = ", ".join("peak_memory_in_bytes" if f == "peak" else f"{f}_size_in_bytes" for f in mem.unreported)
+    fell_back = "the compiler's peak" if mem.peak_source == "compiler_peak" else "the breakdown sum"
+    return (
+        f"  memory_analysis() gave {names} as 0 or less (a known JAX issue on TPU, jax#12848): "
+        f"not what the step holds, so the peak is {fell_back}"
+    )
+
+
+def describe_trial(t: TrialResult) -> str:
+    """A multi-line account of one trial: per-layer plan and the whole measurement."""
+    from remat_search.measure.measurement import relative_spread
+
+    lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
+    if t.plan:
+        labels = t.labels if len(t.labels) == len(t.plan.layers) else [""] * len(t.plan.layers)
+        lines += [
+            f"  layer {i:2d}: {label + ' = ' if label and label != str(p) else ''}{p}"
+            for i, (label, p) in enumerate(zip(labels, t.plan.layers, strict=True))
+        ]
+        lines.append(f"  plan digest: {t.plan.digest}")
+    m = t.measurement
+    if m and m.memory:
+        mem = m.memory
+        lines.append(
+            f"  peak {format_bytes(mem.peak)} per device, from the {mem.peak_source.replace('_', ' ')}: "
+            f"argument {format_bytes(mem.argument)} + output {format_bytes(mem.output)} − alias "
+            f"{format_bytes(mem.alias)} + temp {format_bytes(mem.temp)} + code {format_bytes(mem.generated_code)}"
+            + (f"; compiler peak {format_bytes(mem.compiler_peak)}" if mem.compiler_peak is not None else "")
+        )
+        if mem.unreported:
+            lines.append(_unreported_line(mem))
+        if mem.host_total or mem.host_temp:
+            lines.append(
+                f"  host memory, from the compiler: {format_bytes(mem.host_total)}: argument "
+                f"{format_bytes(mem.host_argument)} + output {format_bytes(mem.host_output)} − alias "
+                f"{format_bytes(mem.host_alias)} + temp {format_bytes(mem.host_temp)} + code "
+                f"{format_bytes(mem.host_generated_code)} (not in the device peak)"
+            )
+        lines.append(f"  compile {m.compile_seconds:.2f} s, {gflop_text(m.flops)} GFLOP" if m.flops else "")
+    if m and m.estimated_seconds is not None:
+        lines.append(_estimate_line(m))
+    if m and m.screened_bytes is not None:
+        lines.append(
+            f"  screened out, never compiled: the study's cost model predicts a peak of "
+            f"{format_bytes(m.screened_bytes)}, more than prescreen × budget even allowing for its largest over-prediction"
+        )
+    if m and m.oom_required_bytes is not None:
+        needs = f"needs {format_bytes(m.oom_required_bytes)} per chip"
+        if m.oom_temp_bytes is not None:  # measurement schema 2 on: the peak in full
+            needs += (
+                f" (temporaries {format_bytes(m.oom_temp_bytes)}, as its error states, + arguments and outputs "
+                f"less aliased {format_bytes(m.oom_required_bytes - m.oom_temp_bytes)}, their per-chip sizes)"
+            )
+        else:
+            needs += " for its temporaries alone"
+        lines.append(
+            f"  the compiler ran out of memory: it {needs}, {format_bytes(m.oom_available_bytes or 0)} available"
+        )
+    if m and m.step_times:
+        lines.append(
+            f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
+            f"spread {relative_spread(m.step_times):.0%} over {len(m.step_times)} repeats"
+        )
+    if m and m.anchor_ratio is not None and m.anchor_seconds:
+        lines.append(
+            f"  vs the anchor (full remat), step by step: median ratio {m.anchor_ratio:.3f}, "
+            f"spread {m.spread:.0%}; at the study's anchor time of {format_seconds(m.anchor_seconds)}: "
+            f"{format_seconds(m.step_seconds)}"
+        )
+    if t.confirmed:
+        c = t.confirmed
+        lines.append(
+            f"  confirmed: median {format_seconds(c.median)}, spread {c.spread:.0%} over {len(c.times)} "
+            f"interleaved rounds ({c.session})"
+            + (f"; median ratio {c.anchor_ratio:.3f} to the anchor timed in the same rounds" if c.anchor_ratio else "")
+        )
+    if t.seconds is not None:
+        source = {"confirmed": "its confirmed time", "search": "the search's time", "estimated": "the estimate"}
+        lines.append(f"  its one time, in every table and the plot: {step_text(t)} ({source[t.time_source or 'search']})")
+    if t.prediction and m and m.peak_bytes:
+        p = t.prediction
+        lines.append(
+            f"  planner predicted peak {format_bytes(int(p['peak']))} ({p['peak'] / m.peak_bytes - 1:+.1%})"
+            + (f", step {format_seconds(p['seconds'])} ({p['seconds'] / m.step_seconds - 1:+.1%})"
+               if m.status == "measured" and m.step_seconds else "")
+            + f" for a target of {format_bytes(int(p['target']))}"
+        )
+    if t.cached_from:
+        lines.append(f"  measurement reused from {t.cached_from} (same workload, plan and device)")
+    if t.same_program_as:
+        lines.append(
+            f"  compiled to the same program as {t.same_program_as}'s plan (same workload and device): "
+            "its measurement reused, this plan not run"
+        )
+    if m and m.program_digest:
+        lines.append(f"  program digest: {m.program_digest}"
+                     + (f" (run as plan {m.same_program_as})" if m.same_program_as else ""))
+    if m and m.grad_rel_error is not None:
+        checked = "first step (state change and loss) vs full remat's" if m.grad_reference == "full" else "gradients vs no remat"
+        lines.append(f"  {checked}: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+    if m and m.grad_skipped:
+        lines.append(f"  gradients not checked: {m.grad_skipped}")
+    if t.error:
+        lines.append(f"  error: {t.error}")
+    return "\n".join(line for line in lines if line)
