@@ -117,13 +117,13 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-for command in (  # in the order --help lists them
+for _command in (  # in the order --help lists them
     search_commands.run, search_commands.submit, search_commands.worker,
     query_commands.pareto, query_commands.best, query_commands.plan,
     search_commands.confirm, query_commands.studies, query_commands.show,
     storage_commands.doctor, storage_commands.serve,
 ):
-    app.command(cls=Command)(handle_errors(command))
+    app.command(cls=Command)(handle_errors(_command))
 
 
 def main() -> None:
