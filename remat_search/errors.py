@@ -2,7 +2,7 @@
 
 Every error a user can cause is a :class:`RematSearchError`. Its message names the field
 or flag, repeats the bad value and says what was expected, on one line, so the CLI can
-print it as it is. The CLI maps each class to an exit code in one table (``cli.py``): 2 for
+print it as it is. The CLI maps each class to an exit code in one table (``cli/app.py``): 2 for
 bad input only, 1 for "nothing fits", 3 for a failure at run time.
 """
 
