@@ -3,18 +3,22 @@
     PYTHONPATH=$PWD python benchmarks/module_path.py [--show]
 
 Runs a tiny spec (a two-layer MLP, two trials, no confirmation) on a temporary SQLite file
-twice: a new study, then the same spec again with one trial more (a resume). While each runs,
-a profile hook on the calling thread (where the study is opened; the workers' threads are not
-followed) records the module of every function of ``remat_search`` that a function of another
-of its modules calls, consecutive calls into one module counted once. Of that sequence it counts:
+twice: a new study, then the same spec again with one trial more (a resume). From the call
+of ``run`` until its study is open (it tells ``start``), a profile hook on the calling thread
+records the module of every function of ``remat_search`` that a function of another of its
+modules calls (a function that pydantic or optuna calls back is not the spec's path),
+consecutive calls into one module counted once. Of that path it counts:
 
 - ``modules``: the distinct modules entered;
 - ``climbs``: steps into a module of a higher layer than the one before (docs/design.md's
   ``layers`` block, lowest first): the path climbing back up;
-- ``returns``: steps into a module the path had already left.
+- ``returns``: steps into a module the path had already left;
+- ``edges``: the distinct (caller, callee) pairs of modules, and ``run's fan-out``: the
+  modules ``search.loop`` itself calls into.
 
 Module bodies run by an import are not counted (only functions), so a warm and a cold run
-compare.
+compare. Before opening had one place (commit fb7940a) the resumed path entered 15 modules,
+climbed 21 times and returned 29 times over 23 edges, ``run`` calling into 9 modules.
 """
 
 from __future__ import annotations
