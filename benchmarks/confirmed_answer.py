@@ -24,7 +24,7 @@ import optuna
 
 import remat_search
 from remat_search.spec.models import load_spec
-from remat_search.search.study import Progress
+from remat_search.search.progress import Progress
 from remat_search.units import format_bytes, format_seconds
 
 ROOT = Path(__file__).resolve().parent.parent

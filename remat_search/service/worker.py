@@ -25,10 +25,10 @@ from optuna.trial import TrialState
 from remat_search.errors import RematSearchError, RunError
 from remat_search.report.results import TrialResult
 from remat_search.search.loop import run
+from remat_search.search.progress import Progress
 from remat_search.search.space import Space
-from remat_search.search.study import Progress, finished_trials
-from remat_search.search.submission import spec_of_submitted
-from remat_search.store.liveness import heartbeat_storage_options, recover
+from remat_search.search.study import spec_of_submitted
+from remat_search.store.liveness import finished_trials, heartbeat_storage_options, recover
 from remat_search.store.storage import LAYERS_ATTR, SPEC_ATTR, open_storage, translate_errors
 
 Event = dict[str, Any]

@@ -38,6 +38,8 @@ from remat_search.spec.models import HeartbeatConfig
 from remat_search.store.storage import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR, STARTED_ATTR, host_name
 
 logger = logging.getLogger("remat_search")
+
+
 def mark(trial: optuna.Trial) -> None:
     """Mark ``trial`` as run by this process on this host (see :func:`orphaned`)."""
     me = psutil.Process()
@@ -171,6 +173,13 @@ def counts(trial: FrozenTrial) -> bool:
         return True
     reason = trial.user_attrs.get(FAILURE_ATTR)
     return trial.state == TrialState.FAIL and reason is not None and reason != INTERRUPTED
+
+
+def finished_trials(study: optuna.Study) -> int:
+    """Trials of ``study`` that count towards ``spec.trials`` (:func:`counts`): complete,
+    screened out (pruned), or failed by the runner."""
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if counts(t))
 
 
 class Heartbeats:

@@ -62,7 +62,7 @@ keeps only in a private system attribute, before its parameters are suggested.""
 LAYERS_ATTR = "layers"
 SPEC_ATTR = "spec"
 """The spec a study was last submitted or searched with, without its storage URL: what a
-worker needs to measure it (``submission.spec_of_submitted``)."""
+worker needs to measure it (``search.study.spec_of_submitted``)."""
 LABELS_ATTR = "labels"
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"

@@ -20,7 +20,8 @@ from remat_search import RematPlan, SpecError
 from remat_search.measure.executables import Executables, measure
 from remat_search.spec.models import TimingConfig, parse_spec
 from remat_search.store.storage import SPEC_ATTR
-from remat_search.search.study import Progress, spec_of_study
+from remat_search.search.progress import Progress
+from remat_search.search.study import spec_of_study
 from remat_search.units import format_bytes
 
 from tests.conftest import FAST_TIMING, TINY_TRANSFORMER, spec_dict, write_spec
@@ -320,7 +321,7 @@ def test_a_failed_confirmation_keeps_the_search_and_fails_the_run(tmp_path: Path
         space={"layout": "uniform", "choices": ["none", "full"]}, trials=2, timing={**FAST_TIMING, "timeout": "6s"},
     ))  # 6 s: a trial's compile and steps fit on a slow CI host (3 s may not), a 60 s step does not
 
-    def slow_down(p: remat_search.search.study.Progress) -> None:
+    def slow_down(p: Progress) -> None:
         if p.event == "confirm":
             delays.write_text(json.dumps({"*": 60_000}))
 

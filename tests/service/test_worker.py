@@ -16,7 +16,8 @@ from optuna.trial import TrialState
 
 from remat_search import submit
 from remat_search.spec.models import parse_spec
-from remat_search.search.submission import METRIC_NAMES, spec_of_submitted
+from remat_search.search.opening import METRIC_NAMES
+from remat_search.search.study import spec_of_submitted
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 
 SMALL = {"trials": 3, "space": {"layout": "uniform", "choices": ["none", "full", "dots"]}, "confirm": {"top": 0}}
@@ -28,7 +29,7 @@ def _study(url: str, name: str = "tiny") -> optuna.Study:
 
 def test_submit_is_the_function_whatever_was_imported_before() -> None:
     import remat_search
-    import remat_search.search.loop  # imports the module that defines submit: it must not shadow it
+    import remat_search.search.submission  # the module that defines submit: importing it must not shadow it
 
     assert remat_search.submit is submit and callable(remat_search.submit)
 

@@ -143,7 +143,7 @@ def test_workers_auto_is_one_per_two_cores_within_memory_and_bad_counts_are_one_
 
     import psutil
 
-    from remat_search.search.study import CORES_PER_WORKER, WORKER_HOST_MEMORY, resolve_workers
+    from remat_search.search.runners import CORES_PER_WORKER, WORKER_HOST_MEMORY, resolve_workers
 
     assert resolve_workers(3) == 3
     auto = resolve_workers("auto")
