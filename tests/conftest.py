@@ -209,3 +209,16 @@ def postgres_server() -> Iterator[str]:
 def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
     """A new, empty database on the session's PostgreSQL server, for one test: its URL."""
     return create_database(postgres_server, "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:50])
+
+
+SLOW_FIXTURES = frozenset({"postgres_server", "postgres_url"})
+"""A test that needs one of these (a PostgreSQL server) is marked ``slow``, wherever it is, and
+so is a test parametrised with ``"postgresql"`` (a fixture that asks for the server by name)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the PostgreSQL tests ``slow`` (the other slow files mark themselves)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or "postgresql" in params.values():
+            item.add_marker(pytest.mark.slow)

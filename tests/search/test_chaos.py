@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from remat_search.measure.runner import Runner
 from remat_search.spec.models import MlpConfig, TimingConfig
 
 from tests.chaos import WORKLOAD, chaos
+
+pytestmark = pytest.mark.slow  # kills searches at random moments
 
 
 def test_a_search_killed_at_random_moments_loses_nothing_and_finishes_exactly(tmp_path: Path) -> None:

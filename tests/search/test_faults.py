@@ -21,6 +21,8 @@ from remat_search.store.storage import FAILURE_ATTR
 
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 
+pytestmark = pytest.mark.slow  # crashes and hangs worker processes
+
 FAULTS: list[tuple[str, dict[str, Any], str]] = [
     ("tests.factories:faulty compile", {},
      "JaxRuntimeError: NOT_FOUND: No FFI handler registered for remat_search_no_such_kernel"),

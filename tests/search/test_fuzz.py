@@ -38,6 +38,8 @@ from remat_search.spec.models import STUDY_NAME_PATTERN
 
 from tests.conftest import write_spec
 
+pytestmark = pytest.mark.slow  # fuzzes bad input through the CLI
+
 STUDY = "fuzzed"
 CHEAP_MLP = {"kind": "mlp", "layers": 1, "width": 8, "hidden": 8, "batch": 2}
 

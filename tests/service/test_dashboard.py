@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import _free_port, spec_dict, write_spec
 from .services import Service, executable, get_json, started
 
+pytestmark = pytest.mark.slow  # starts optuna-dashboard
+
 OBJECTIVE_NAMES = ["step seconds", "peak bytes"]
 
 

@@ -40,6 +40,8 @@ from remat_search.units import format_bytes
 from tests.conftest import REPO, _free_port, create_database, spec_dict
 from .services import Service, environment, executable, get_json, http, started
 
+pytestmark = pytest.mark.slow  # runs docker/'s commands as processes and resolves PyPI
+
 DOCKER = REPO / "docker"
 SERVICES = {"postgres", "worker", "worker-cuda", "worker-tpu", "api", "dashboard"}
 TARGETS = {"worker-cuda": "cuda", "worker-tpu": "tpu"}  # the image of every other service: cpu

@@ -27,6 +27,8 @@ from tests.conftest import REPO, _free_port, create_database, spec_dict
 from .services import get_json, http, started
 from .test_docker import TOKEN, _remat_search_commands, interpolate, only
 
+pytestmark = pytest.mark.slow  # runs the manifests' commands as processes
+
 K8S = REPO / "docker" / "k8s"
 MODELS = {  # kind: (apiVersion, the client's model)
     "Secret": ("v1", "V1Secret"),

@@ -25,6 +25,8 @@ from remat_search.units import format_bytes, format_seconds
 from tests.conftest import REPO, spec_dict
 from .serving import env, serve_command, serving
 
+pytestmark = pytest.mark.slow  # drives Chromium
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from remat_search.store import cache
@@ -22,6 +23,8 @@ from remat_search.spec.models import parse_spec
 from remat_search.store.storage import HOST_ATTR, PID_ATTR, PLAN_ATTR, open_storage
 
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
+
+pytestmark = pytest.mark.slow  # several worker processes on one storage
 
 SLOW = {"factory": "tests.factories:slow_compile", "args": {"seconds": 1.0}}
 MLP_SPACE = {"layout": "per_layer", "choices": ["none", "full", "dots"]}

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.chaos import chaos_hosts
+
+pytestmark = pytest.mark.slow  # kills hosts at random moments
 
 
 def test_hosts_killed_at_random_moments_lose_nothing_and_finish_exactly(tmp_path: Path, postgres_url: str) -> None:

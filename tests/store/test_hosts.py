@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from remat_search.store.storage import open_storage
 
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # several host processes on one storage
 
 HOLD = """
 import sys, time

@@ -23,6 +23,8 @@ from remat_search.targets.base import device_order, make_mesh, target_of
 
 from tests.conftest import spec_dict, write_spec
 
+pytestmark = pytest.mark.slow  # compiles for TPU topologies
+
 V5E = {"platform": "tpu", "topology": "v5e:2x2"}
 # MaxText's way: every axis its rules name, all but fsdp at size 1; written in MaxText's order.
 MESH = {"data": 1, "stage": 1, "fsdp": 4, "tensor": 1}

@@ -22,6 +22,8 @@ from remat_search.units import format_bytes
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict, write_spec
 
+pytestmark = pytest.mark.slow  # compiles for TPU topologies
+
 V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 HBM_V5E = int(15.75 * 2**30)  # "available HBM (15.75G)", as libtpu reports a v5e chip
 QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))

@@ -17,6 +17,8 @@ from remat_search.spec.models import NnxConfig, TimingConfig, TpuTarget, Transfo
 from remat_search.targets.base import target_of
 from remat_search.units import parse_bytes
 
+pytestmark = pytest.mark.slow  # compiles for TPU topologies
+
 V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 HBM_V5E = int(15.75 * 2**30)
 
