@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from remat_search.errors import NoFeasiblePlan
 from remat_search.report.results import (
+    Settlement,
     StudyReport,
     TrialResult,
     confirmations,
@@ -36,6 +37,7 @@ from remat_search.report.results import (
     pareto,
     rank,
     result_of,
+    settlement,
 )
 from remat_search.store.storage import FAILURE_ATTR, INTERRUPTED, Reader, no_such_study, read_only, resolve_url
 from remat_search.units import format_bytes
@@ -76,6 +78,10 @@ class StoredStudy:
         self.confirmed = confirmations(attrs)
         """Confirmed times by trial number."""
 
+    def settlement(self) -> Settlement:
+        """What the study's latest confirmation settled (empty if none)."""
+        return settlement(self.attrs)
+
     # --- whole study -------------------------------------------------------------------
     def trials(self) -> list[TrialResult]:
         """Every trial's result, in trial order."""
@@ -94,6 +100,20 @@ class StoredStudy:
         """Trial ``number``'s result (None if the study has no such trial)."""
         found = self._load(self._ids("number", [number]))
         return next(iter(found.values()), None)
+
+    def params(self, *, numbers: Sequence[int] | None = None, state: str | None = None) -> dict[int, dict[str, object]]:
+        """The parameters of the trials ``numbers`` (every trial if None) in optuna's ``state``
+        (any if None), by trial number, as optuna gives them back (``FrozenTrial.params``):
+        what the cost model is fitted to, with the trials' results."""
+        where = "" if state is None else " AND state = :state"
+        rows = self._rows(
+            f"SELECT trial_id, number FROM trials WHERE study_id = :study{where}", **({} if state is None else {"state": state})
+        )
+        if numbers is not None:
+            wanted = set(numbers)
+            rows = [r for r in rows if r[1] in wanted]
+        found = self._params([r[0] for r in rows])
+        return {number: found.get(i, {}) for i, number in rows}
 
     def count(self) -> dict[str, int]:
         """How many trials are in each of optuna's states (``COMPLETE``: count)."""

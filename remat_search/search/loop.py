@@ -17,9 +17,10 @@ from optuna.trial import TrialState
 
 from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
 from remat_search.report.results import StudyReport, study_report
+from remat_search.report.stored import open_study
 from remat_search.search.confirm import confirm
 from remat_search.search.opening import checked, opened
-from remat_search.search.planner import Advice, advise, measured_trial
+from remat_search.search.advice import Advice, advise, measured_trial
 from remat_search.search.progress import Progress, ProgressCallback
 from remat_search.search.runners import resolve_workers, runner_for
 from remat_search.search.state import SearchState
@@ -76,20 +77,21 @@ def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) ->
 
 
 def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
-    """The planner's advice for ``budget`` on a stored study (:func:`planner.advise`); with
-    ``measure``, first measure the advised plan as one more trial of the study unless it was
-    measured already."""
-    opened_storage = open_storage(storage)
-    study = load_study(study_name, opened_storage)
-    if measure and budget > study.user_attrs.get("budget", budget):
-        raise SpecError(
-            f"--budget: {format_bytes(budget)} is above the study's budget of "
-            f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
-            "--measure times plans within it"
-        )
-    with translate_errors(opened_storage.url):
-        advice = advise(study, budget)
+    """The planner's advice for ``budget`` on a stored study (:func:`advice.advise`, reading
+    the study's tables without optuna); with ``measure``, first measure the advised plan as one
+    more trial of the study unless it was measured already."""
+    with open_study(study_name, storage) as stored:
+        if measure and budget > stored.attrs.get("budget", budget):
+            raise SpecError(
+                f"--budget: {format_bytes(budget)} is above the study's budget of "
+                f"{format_bytes(stored.attrs['budget'])}, where plans are not run; "
+                "--measure times plans within it"
+            )
+        advice = advise(stored, budget)
     if measure and advice.measured is None:
+        opened_storage = open_storage(storage)
+        with translate_errors(opened_storage.url):
+            study = load_study(study_name, opened_storage)
         report = measure_params(study, opened_storage.url, advice.params)
         advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
     return advice

@@ -1,4 +1,4 @@
-"""Every registered sampler (remat_search.search.planner.SAMPLERS) under the search's contract, fast:
+"""Every registered sampler (remat_search.search.samplers.SAMPLERS) under the search's contract, fast:
 it runs the queued presets first, then proposes plans of the space, on a multi-objective
 study with the budget as a constraint (synthetic objectives: no compiling here)."""
 
@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from remat_search.errors import SpecError
-from remat_search.search.planner import SAMPLERS, check_sampler, make_sampler
+from remat_search.search.samplers import SAMPLERS, check_sampler, make_sampler
 from remat_search.search.space import Space
 from remat_search.spec.models import SamplerConfig, SpaceConfig
 
