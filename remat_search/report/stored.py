@@ -1,4 +1,15 @@
-"""A stored study read straight from optuna's tables, for the queries: no optuna, no JAX.
+"""The one reader of studies: a stored study read straight from optuna's tables, no optuna, no JAX.
+
+:func:`open_study` (and :func:`open_studies`) give a :class:`StoredStudy`, the interface every
+reader of a stored study uses (the queries, the service and its page, the CLI's queries, the
+planner's ``plan``): its trials as :class:`TrialResult` (:meth:`~StoredStudy.trials`,
+:meth:`~StoredStudy.trial`, :meth:`~StoredStudy.report`, :meth:`~StoredStudy.params`), its
+confirmed times (:attr:`~StoredStudy.confirmed`) and settlement
+(:meth:`~StoredStudy.settlement`), its front and best plan at a budget
+(:meth:`~StoredStudy.front`, :meth:`~StoredStudy.best`, :meth:`~StoredStudy.fastest`,
+:meth:`~StoredStudy.untimed_within`), its progress (:meth:`~StoredStudy.count`,
+:meth:`~StoredStudy.finished`; summarized by ``queries.summarize``). tests/report/test_reader.py
+holds it to optuna's own reading of the same studies, on SQLite and PostgreSQL.
 
 optuna's ``RDBStorage`` checks its schema with alembic on every open and reads a study by
 loading every trial: half a second before the first row, and seconds at thousands of trials.
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -325,13 +337,22 @@ def external_value(value: float, distribution_json: str) -> object:
     """A parameter as optuna gives it back (``distributions.json_to_distribution(...)
     .to_external_repr(value)``): a categorical's choice by index, an integer as int, a float
     as it is; both of optuna's JSON forms of a distribution are read."""
-    d = json.loads(distribution_json)
-    kind = d.get("name") or d.get("type")
+    kind, choices = _distribution(distribution_json)
     if kind in ("CategoricalDistribution", "categorical"):
-        return d.get("attributes", d)["choices"][int(value)]
+        return choices[int(value)]
     if kind in ("IntDistribution", "IntUniformDistribution", "IntLogUniformDistribution", "int"):
         return int(value)
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _distribution(distribution_json: str) -> tuple[str | None, tuple[Any, ...]]:
+    """A distribution's kind and (a categorical's) choices, parsed once a text: a study's
+    trials share a few distributions, stored again with every parameter."""
+    d = json.loads(distribution_json)
+    kind = d.get("name") or d.get("type")
+    categorical = kind in ("CategoricalDistribution", "categorical")
+    return kind, tuple(d.get("attributes", d)["choices"]) if categorical else ()
 
 
 @contextlib.contextmanager

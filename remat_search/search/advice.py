@@ -11,13 +11,14 @@ as ``best``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from remat_search.errors import NoFeasiblePlan, SpecError, StorageError
 from remat_search.plans.plan import RematPlan, collapse_runs
-from remat_search.report.results import StudyReport, TrialResult
+from remat_search.report.results import TrialResult
 from remat_search.report.stored import StoredStudy, open_study
 from remat_search.search.cost_model import CostModel, Prediction, cost_model
 from remat_search.search.space import Space
@@ -75,7 +76,7 @@ def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None,
         with translate_errors(opened_storage.url):
             study = load_study(study_name, opened_storage)
         report = measure_params(study, opened_storage.url, advice.params)
-        advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
+        advice = advice.model_copy(update={"measured": measured_trial(report.trials, advice.plan)})
     return advice
 
 
@@ -90,12 +91,12 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     of two choices compiled and one plan timed), or when no plan is predicted to fit and no
     measured one fits.
     """
-    report = study.report()
-    layers = study.attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in report.trials if t.plan), 0)
+    trials = study.trials()
+    layers = study.attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in trials if t.plan), 0)
     space = _stored_space(study, layers)
     if layers:
         params = study.params(state="COMPLETE")
-        model = cost_model(((t, params[t.number]) for t in report.trials if t.number in params), space)
+        model = cost_model(((t, params[t.number]) for t in trials if t.number in params), space)
     else:
         model = None
     if model is None:
@@ -104,7 +105,7 @@ def advise(study: StoredStudy, budget: int) -> Advice:
             "plans of two choices compiled and one plan timed); run its search first"
         )
     try:
-        fastest: TrialResult | None = report.best(budget)
+        fastest: TrialResult | None = study.best(budget)
     except NoFeasiblePlan:
         fastest = None
     fitting = model.fitting(budget)
@@ -124,7 +125,7 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     plan = space.plan(params)
     advice = Advice(
         study=study.name, budget=budget, plan=plan, params=params,
-        labels=space.layer_labels(params), predicted=best, measured=measured_trial(report, plan),
+        labels=space.layer_labels(params), predicted=best, measured=measured_trial(trials, plan),
         observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
     )
     if fastest is None or fastest.plan == plan or fastest.seconds is None:
@@ -187,9 +188,9 @@ def _measured_advice(
     )
 
 
-def measured_trial(report: StudyReport, plan: RematPlan) -> TrialResult | None:
+def measured_trial(trials: Sequence[TrialResult], plan: RematPlan) -> TrialResult | None:
     """The study's first trial that compiled ``plan``."""
     return next(
-        (t for t in report.trials if t.plan == plan and t.status in ("measured", "over_budget") and t.reused_from is None),
+        (t for t in trials if t.plan == plan and t.status in ("measured", "over_budget") and t.reused_from is None),
         None,
     )

@@ -1,6 +1,7 @@
 """Every registered sampler (remat_search.search.samplers.SAMPLERS) under the search's contract, fast:
-it runs the queued presets first, then proposes plans of the space, on a multi-objective
-study with the budget as a constraint (synthetic objectives: no compiling here)."""
+it derives from the base, runs the queued presets first, then proposes plans of the space, on
+a multi-objective study with the budget as a constraint (synthetic objectives: no compiling
+here); and a new sampler is one registered factory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import optuna
 import pytest
 
 from remat_search.errors import SpecError
-from remat_search.search.samplers import SAMPLERS, check_sampler, make_sampler
+from remat_search.search.samplers import SAMPLERS, Sampler, check_sampler, make_sampler, register
 from remat_search.search.space import Space
 from remat_search.spec.models import SamplerConfig, SpaceConfig
 
@@ -21,6 +22,7 @@ def test_a_sampler_runs_the_presets_then_proposes_plans_of_the_space(kind: str) 
     budget = 150
     study = optuna.create_study(directions=["minimize", "minimize"])
     study.sampler = make_sampler(SamplerConfig(kind=kind, seed=0), space=SPACE, budget=budget)
+    assert isinstance(study.sampler, Sampler)
     for params in SPACE.presets():
         study.enqueue_trial(params)
     for _ in range(8):
@@ -37,3 +39,16 @@ def test_a_sampler_runs_the_presets_then_proposes_plans_of_the_space(kind: str) 
 def test_an_unknown_sampler_names_the_known_ones() -> None:
     with pytest.raises(SpecError, match="spec.sampler.kind: unknown sampler 'cmaes'; expected one of planner, tpe"):
         check_sampler(SamplerConfig(kind="cmaes"))
+
+
+def test_a_new_sampler_is_one_registered_factory() -> None:
+    assert list(SAMPLERS) == ["planner", "tpe", "nsga2", "random"]
+    try:
+        register("grid")(lambda space, budget, seed: optuna.samplers.GridSampler(
+            {u: list(space.labels) for u in space.units}, seed=seed))
+        check_sampler(SamplerConfig(kind="grid"))
+        assert isinstance(make_sampler(SamplerConfig(kind="grid", seed=1), space=SPACE, budget=1), optuna.samplers.GridSampler)
+        with pytest.raises(ValueError, match="sampler 'grid' is registered already"):
+            register("grid")(SAMPLERS["grid"])
+    finally:
+        SAMPLERS.pop("grid", None)
