@@ -131,7 +131,8 @@ def plan(
     """
     from remat_search.search.advice import plan_for_budget
 
-    output.quiet_optuna()
+    if measure:  # only --measure runs optuna: the advice reads the tables without it
+        output.quiet_optuna()
     advice = plan_for_budget(flags.study(study), flags.budget(budget), storage=storage, measure=measure)
     if as_json:
         print(advice.plan.to_json())

@@ -238,8 +238,11 @@ def _ridge(
     X = X[:, free]
 
     def loo_residuals(lam: float) -> np.ndarray:
-        hat = X @ np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
-        return (residual - hat @ residual) / np.maximum(1.0 - np.diag(hat), 1e-9)
+        # The hat matrix X·A⁻¹·Xᵀ only by its diagonal and its product with the residual: never
+        # n × n, so that fitting stays linear in the observations (a study of 10,000 plans).
+        w = np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
+        hat_diag = np.einsum("ij,ji->i", X, w)
+        return (residual - X @ (w @ residual)) / np.maximum(1.0 - hat_diag, 1e-9)
 
     lam = ridge if ridge is not None else min(RIDGES, key=lambda r: float(np.mean(loo_residuals(r) ** 2)))
     deltas = prior.copy().reshape(-1)
