@@ -8,10 +8,13 @@ from __future__ import annotations
 import optuna
 import pytest
 
+import remat_search
 from remat_search.errors import SpecError
 from remat_search.search.samplers import SAMPLERS, Sampler, check_sampler, make_sampler, register
 from remat_search.search.space import Space
-from remat_search.spec.models import SamplerConfig, SpaceConfig
+from remat_search.spec.models import SamplerConfig, SpaceConfig, parse_spec
+
+from tests.conftest import spec_dict
 
 SPACE = Space.of(SpaceConfig(layout="per_layer", choices=["none", "full", "dots"]), 3)
 SAVING = {"none": 0.0, "full": 30.0, "dots": 12.0}
@@ -52,3 +55,14 @@ def test_a_new_sampler_is_one_registered_factory() -> None:
             register("grid")(SAMPLERS["grid"])
     finally:
         SAMPLERS.pop("grid", None)
+
+
+@pytest.mark.parametrize("kind", list(SAMPLERS))
+def test_a_sampler_drives_a_real_tiny_search(kind: str, storage_url: str) -> None:
+    """The tiny transformer's presets, then two plans of the sampler's, compiled and measured."""
+    report = remat_search.run(parse_spec(spec_dict(
+        storage_url, study=kind, trials=5, sampler={"kind": kind, "seed": 0}, confirm={"top": 0},
+        space={"layout": "per_layer", "choices": ["none", "full", "dots"]},
+    )))
+    assert len(report.trials) == 5 and all(t.plan is not None and len(t.plan.layers) == 2 for t in report.trials)
+    assert {t.status for t in report.trials} <= {"measured", "over_budget"} and report.best(2**40).plan is not None
