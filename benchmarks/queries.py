@@ -13,8 +13,11 @@ The table sets each query's own work (the library function in this process, the 
 ``--runs`` runs after one to warm up) beside reading the same study through optuna
 (``optuna.load_study(...).get_trials()``, and the report built from it, which is how the
 queries read studies before) and beside the command's wall time as a process
-(``python -m remat_search.cli.app ... --json``: imports included). A second table gives the
-commands' wall times at the study's own size.
+(``python -m remat_search.cli.app ... --json``: imports included). ``plan`` (the planner's
+advice) is timed beside ``best``: it reads the study through the same reader, but every
+complete trial (the cost model is fitted to them all), and solves the model; the line under
+the table gives its time over ``best``'s. A second table gives the commands' wall times at
+the study's own size, and ``plan``'s over ``best``'s there.
 """
 
 from __future__ import annotations
@@ -174,6 +177,7 @@ def main() -> None:
               f"({format_bytes(budget)}); in-process: median of {a.runs} runs; commands: {a.cli_runs} runs, "
               "fastest–slowest\n")
         own_best, found = median_seconds(lambda: remat_search.best_plan(a.study, budget, url), a.runs)
+        own_plan, _ = median_seconds(lambda: remat_search.plan_for_budget(a.study, budget, storage=url), a.runs)
         own_front, front = median_seconds(lambda: remat_search.pareto_front(a.study, url), a.runs)
         own_studies, _ = median_seconds(lambda: remat_search.list_studies(url), a.runs)
         optuna_runs = max(1, a.runs // 3)
@@ -185,18 +189,24 @@ def main() -> None:
         print(f"| query at {a.trials:,} trials | its own work (library, in process) | the study read through optuna: "
               "`get_trials()` / the report from it | the command, wall (process) |")
         print("|---|---|---|---|")
+        walls: dict[str, float] = {}
         for name, own, args in (
             (f"`best --budget {a.budget}`", own_best, ["best", "--study", a.study, "--budget", a.budget, "--json"]),
             ("`pareto`", own_front, ["pareto", "--study", a.study, "--json"]),
             ("`studies`", own_studies, ["studies"]),
+            (f"`plan --budget {a.budget}`", own_plan, ["plan", "--study", a.study, "--budget", a.budget, "--json"]),
         ):
             low, high = cli_seconds([*args, "--storage", url], a.cli_runs)
+            walls[name.split()[0].strip("`")] = high
             print(f"| {name} | {ms(own)} | {ms(trials_s)} / {ms(report_s)} | {low:.2f}–{high:.2f} s |")
+        print(f"\n`plan` over `best` at {a.trials:,} trials: {own_plan / own_best:.1f}× in process, "
+              f"{walls['plan'] / walls['best']:.2f}× as commands (slowest runs)")
         print(f"\n(the same answers: best is trial {found.number}, the front has {len(front)} plans, as the "
               "report read through optuna says)\n")
 
         print(f"| command at {had} trials | wall (process) |")
         print("|---|---|")
+        small_walls: dict[str, float] = {}
         for args in (
             ["--help"],
             ["best", "--study", a.study, "--budget", a.budget, "--json"],
@@ -206,7 +216,10 @@ def main() -> None:
             ["plan", "--study", a.study, "--budget", a.budget],
         ):
             low, high = cli_seconds(args if args == ["--help"] else [*args, "--storage", small_url], a.cli_runs)
+            small_walls[args[0]] = high
             print(f"| `{' '.join(args[:1] + args[3:] if len(args) > 1 else args)}` | {low:.2f}–{high:.2f} s |")
+        print(f"\n`plan` over `best` at {had} trials, as commands (slowest runs): "
+              f"{small_walls['plan'] / small_walls['best']:.2f}×")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from remat_search.search.planner import MAX_STATES, Front, solve_front
+from remat_search.search.solver import MAX_STATES, Front, solve_front
 
 SAVING = np.array([0, -5e6, -2e6, -2.1e6, -3e6, -4e6])
 EXTRA = np.array([0, 3e-3, 1e-3, 1.1e-3, 1.5e-3, 2e-3])

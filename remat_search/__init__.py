@@ -27,11 +27,13 @@ if TYPE_CHECKING:
     from remat_search.measure.executables import compiler_options
     from remat_search.measure.measurement import Measurement, MemoryBreakdown
     from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
-    from remat_search.search.planner import Advice, CostModel, fit_cost_model, solve_front
+    from remat_search.search.advice import Advice, plan_for_budget
+    from remat_search.search.cost_model import CostModel, fit_cost_model
+    from remat_search.search.solver import solve_front
     from remat_search.plans.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
     from remat_search.report.queries import best_plan, list_studies, load_report, pareto_front
     from remat_search.report.results import StudyReport, TrialResult
-    from remat_search.search.loop import plan_for_budget, run
+    from remat_search.search.loop import run
     from remat_search.spec.models import SearchSpec, load_spec
     from remat_search.search.submission import Submitted, submit
     from remat_search.units import parse_bytes
@@ -44,11 +46,13 @@ _API: dict[str, str] = {
     **dict.fromkeys(('compiler_options',), "remat_search.measure.executables"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
-    **dict.fromkeys(('Advice', 'CostModel', 'fit_cost_model', 'solve_front'), "remat_search.search.planner"),
+    **dict.fromkeys(('Advice', 'plan_for_budget'), "remat_search.search.advice"),
+    **dict.fromkeys(('CostModel', 'fit_cost_model'), "remat_search.search.cost_model"),
+    **dict.fromkeys(('solve_front',), "remat_search.search.solver"),
     **dict.fromkeys(('POLICIES', 'LayerPolicy', 'PolicyKind', 'checkpoint_policy', 'register_policy'), "remat_search.plans.policy"),
     **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report.queries"),
     **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.report.results"),
-    **dict.fromkeys(('plan_for_budget', 'run'), "remat_search.search.loop"),
+    **dict.fromkeys(('run',), "remat_search.search.loop"),
     **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec.models"),
     **dict.fromkeys(('Submitted', 'submit'), "remat_search.search.submission"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads stud
     from remat_search.cli.doctor import Check
     from remat_search.report.queries import StudySummary
     from remat_search.report.results import StudyReport, TrialResult
-    from remat_search.search.planner import Advice
+    from remat_search.search.advice import Advice
     from remat_search.search.progress import Progress
 
 console = Console()

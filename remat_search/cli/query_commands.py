@@ -129,9 +129,10 @@ def plan(
     unless its front had to be thinned, which the output says.
     A prediction is not a measurement: `best` only returns measured plans.
     """
-    from remat_search.search.loop import plan_for_budget
+    from remat_search.search.advice import plan_for_budget
 
-    output.quiet_optuna()
+    if measure:  # only --measure runs optuna: the advice reads the tables without it
+        output.quiet_optuna()
     advice = plan_for_budget(flags.study(study), flags.budget(budget), storage=storage, measure=measure)
     if as_json:
         print(advice.plan.to_json())

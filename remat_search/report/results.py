@@ -1,8 +1,12 @@
 """A study's trials read back as results: each trial's plan, measurement, outcome and
 confirmed times (:class:`TrialResult`), and the study as a whole (:class:`StudyReport`).
 
-Pure reads of what the search stored; the search, the planner and confirmation build on them,
-and ``report.py`` answers users' queries with them.
+The models and the rules that turn what the search stored into them (:func:`result_of`,
+:func:`make_report`, :func:`rank`, :func:`pareto`). The one reader of a stored study is
+:mod:`report.stored`, which builds them from optuna's tables; :func:`study_report` builds them
+from an open ``optuna.Study``, for the search that holds one while it writes (its own report
+at the end, confirmation, the planner's sampler) and for the tests, as the oracle the reader
+is held to.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from remat_search.store.storage import (
 )
 from remat_search.units import format_bytes
 
-if TYPE_CHECKING:  # optuna only where a caller has it open: queries read the tables (stored.py)
+if TYPE_CHECKING:  # optuna only where a caller has it open: readers read the tables (stored.py)
     import optuna
     from optuna.trial import FrozenTrial
 
@@ -282,7 +286,8 @@ class StudyReport(BaseModel):
 
 
 def study_report(study: optuna.Study) -> StudyReport:
-    """Build the report of an open study."""
+    """The report of a study the caller holds open in optuna (a search while it writes; the
+    tests' oracle): what :meth:`report.stored.StoredStudy.report` reads from the tables."""
     confirmed = load_confirmations(study)
     trials = [trial_result(t, confirmed.get(t.number)) for t in study.get_trials(deepcopy=False)]
     return make_report(study.study_name, study.user_attrs, trials)

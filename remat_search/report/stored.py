@@ -1,4 +1,15 @@
-"""A stored study read straight from optuna's tables, for the queries: no optuna, no JAX.
+"""The one reader of studies: a stored study read straight from optuna's tables, no optuna, no JAX.
+
+:func:`open_study` (and :func:`open_studies`) give a :class:`StoredStudy`, the interface every
+reader of a stored study uses (the queries, the service and its page, the CLI's queries, the
+planner's ``plan``): its trials as :class:`TrialResult` (:meth:`~StoredStudy.trials`,
+:meth:`~StoredStudy.trial`, :meth:`~StoredStudy.report`, :meth:`~StoredStudy.params`), its
+confirmed times (:attr:`~StoredStudy.confirmed`) and settlement
+(:meth:`~StoredStudy.settlement`), its front and best plan at a budget
+(:meth:`~StoredStudy.front`, :meth:`~StoredStudy.best`, :meth:`~StoredStudy.fastest`,
+:meth:`~StoredStudy.untimed_within`), its progress (:meth:`~StoredStudy.count`,
+:meth:`~StoredStudy.finished`; summarized by ``queries.summarize``). tests/report/test_reader.py
+holds it to optuna's own reading of the same studies, on SQLite and PostgreSQL.
 
 optuna's ``RDBStorage`` checks its schema with alembic on every open and reads a study by
 loading every trial: half a second before the first row, and seconds at thousands of trials.
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -28,6 +40,7 @@ from typing import Any, NamedTuple
 
 from remat_search.errors import NoFeasiblePlan
 from remat_search.report.results import (
+    Settlement,
     StudyReport,
     TrialResult,
     confirmations,
@@ -36,6 +49,7 @@ from remat_search.report.results import (
     pareto,
     rank,
     result_of,
+    settlement,
 )
 from remat_search.store.storage import FAILURE_ATTR, INTERRUPTED, Reader, no_such_study, read_only, resolve_url
 from remat_search.units import format_bytes
@@ -76,6 +90,10 @@ class StoredStudy:
         self.confirmed = confirmations(attrs)
         """Confirmed times by trial number."""
 
+    def settlement(self) -> Settlement:
+        """What the study's latest confirmation settled (empty if none)."""
+        return settlement(self.attrs)
+
     # --- whole study -------------------------------------------------------------------
     def trials(self) -> list[TrialResult]:
         """Every trial's result, in trial order."""
@@ -94,6 +112,20 @@ class StoredStudy:
         """Trial ``number``'s result (None if the study has no such trial)."""
         found = self._load(self._ids("number", [number]))
         return next(iter(found.values()), None)
+
+    def params(self, *, numbers: Sequence[int] | None = None, state: str | None = None) -> dict[int, dict[str, object]]:
+        """The parameters of the trials ``numbers`` (every trial if None) in optuna's ``state``
+        (any if None), by trial number, as optuna gives them back (``FrozenTrial.params``):
+        what the cost model is fitted to, with the trials' results."""
+        where = "" if state is None else " AND state = :state"
+        rows = self._rows(
+            f"SELECT trial_id, number FROM trials WHERE study_id = :study{where}", **({} if state is None else {"state": state})
+        )
+        if numbers is not None:
+            wanted = set(numbers)
+            rows = [r for r in rows if r[1] in wanted]
+        found = self._params([r[0] for r in rows])
+        return {number: found.get(i, {}) for i, number in rows}
 
     def count(self) -> dict[str, int]:
         """How many trials are in each of optuna's states (``COMPLETE``: count)."""
@@ -305,13 +337,22 @@ def external_value(value: float, distribution_json: str) -> object:
     """A parameter as optuna gives it back (``distributions.json_to_distribution(...)
     .to_external_repr(value)``): a categorical's choice by index, an integer as int, a float
     as it is; both of optuna's JSON forms of a distribution are read."""
-    d = json.loads(distribution_json)
-    kind = d.get("name") or d.get("type")
+    kind, choices = _distribution(distribution_json)
     if kind in ("CategoricalDistribution", "categorical"):
-        return d.get("attributes", d)["choices"][int(value)]
+        return choices[int(value)]
     if kind in ("IntDistribution", "IntUniformDistribution", "IntLogUniformDistribution", "int"):
         return int(value)
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _distribution(distribution_json: str) -> tuple[str | None, tuple[Any, ...]]:
+    """A distribution's kind and (a categorical's) choices, parsed once a text: a study's
+    trials share a few distributions, stored again with every parameter."""
+    d = json.loads(distribution_json)
+    kind = d.get("name") or d.get("type")
+    categorical = kind in ("CategoricalDistribution", "categorical")
+    return kind, tuple(d.get("attributes", d)["choices"]) if categorical else ()
 
 
 @contextlib.contextmanager

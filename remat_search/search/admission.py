@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.plans.plan import RematPlan
-from remat_search.search.planner import record_prediction
+from remat_search.search.samplers import record_prediction
 from remat_search.search.state import SearchState
 from remat_search.store.liveness import admitted, ask, counts, mark
 from remat_search.store.storage import LABELS_ATTR, PLAN_ATTR

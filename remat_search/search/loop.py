@@ -15,11 +15,10 @@ import contextlib
 import optuna
 from optuna.trial import TrialState
 
-from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError, SpecError
+from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError
 from remat_search.report.results import StudyReport, study_report
 from remat_search.search.confirm import confirm
 from remat_search.search.opening import checked, opened
-from remat_search.search.planner import Advice, advise, measured_trial
 from remat_search.search.progress import Progress, ProgressCallback
 from remat_search.search.runners import resolve_workers, runner_for
 from remat_search.search.state import SearchState
@@ -27,8 +26,6 @@ from remat_search.search.study import spec_of_study
 from remat_search.search.workers import work
 from remat_search.spec.models import SearchSpec
 from remat_search.store.liveness import enqueue, finished_trials
-from remat_search.store.storage import load_study, open_storage, translate_errors
-from remat_search.units import format_bytes
 
 
 def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
@@ -73,23 +70,3 @@ def measure_params(study: optuna.Study, storage: str, params: dict[str, str]) ->
     spec = spec_of_study(study, storage, trials=finished_trials(study) + waiting + 1, confirm={"top": 0})
     enqueue(study, params)  # after the plans already queued, which run first
     return run(spec)
-
-
-def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
-    """The planner's advice for ``budget`` on a stored study (:func:`planner.advise`); with
-    ``measure``, first measure the advised plan as one more trial of the study unless it was
-    measured already."""
-    opened_storage = open_storage(storage)
-    study = load_study(study_name, opened_storage)
-    if measure and budget > study.user_attrs.get("budget", budget):
-        raise SpecError(
-            f"--budget: {format_bytes(budget)} is above the study's budget of "
-            f"{format_bytes(study.user_attrs['budget'])}, where plans are not run; "
-            "--measure times plans within it"
-        )
-    with translate_errors(opened_storage.url):
-        advice = advise(study, budget)
-    if measure and advice.measured is None:
-        report = measure_params(study, opened_storage.url, advice.params)
-        advice = advice.model_copy(update={"measured": measured_trial(report, advice.plan)})
-    return advice

@@ -15,7 +15,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.results import TrialResult
 from remat_search.search import reuse
 from remat_search.search.admission import Asked
-from remat_search.search.planner import study_cost_model
+from remat_search.search.cost_model import study_cost_model
 from remat_search.search.progress import Progress
 from remat_search.search.recording import anchor_seconds, record
 from remat_search.search.space import Space

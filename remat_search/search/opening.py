@@ -24,7 +24,7 @@ import optuna
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.runner import DeviceInfo
 from remat_search.report.stored import open_study
-from remat_search.search.planner import check_sampler, make_sampler
+from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.runners import resolve_budget
 from remat_search.search.space import Space
 from remat_search.search.study import (

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import import_function
 from remat_search.spec.models import SpaceConfig
+
+if TYPE_CHECKING:  # optuna where a search walks the space: `plan` reads one without it
+    import optuna
+    from optuna.distributions import BaseDistribution
 
 LAYOUT_PARAM = "layout"
 """The parameter of a ``nested: true`` space that picks the plan's layout."""
@@ -69,6 +70,8 @@ class Space:
 
     def distributions(self) -> dict[str, BaseDistribution]:
         """Every parameter's optuna distribution."""
+        from optuna.distributions import CategoricalDistribution
+
         space: dict[str, BaseDistribution] = {u: CategoricalDistribution(self.labels) for u in self.units}
         if self.config.nested:
             space[LAYOUT_PARAM] = CategoricalDistribution(LAYOUTS)

@@ -372,8 +372,8 @@ class SamplerConfig(_Frozen):
 
     kind: str = "planner"
     """``planner``: the cost model's best plans for the budget and along the front, then TPE
-    (see ``planner.py``); or one of optuna's: ``tpe``, ``nsga2``, ``random`` (the names of
-    ``planner.SAMPLERS``, checked before a search writes anything)."""
+    (see ``search/samplers.py``); or one of optuna's: ``tpe``, ``nsga2``, ``random`` (the names of
+    ``samplers.SAMPLERS``, checked before a search writes anything)."""
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = 0
     """0 to 2**32 − 1, as numpy's generators take (null: a different search each run)."""
 

@@ -40,7 +40,7 @@ def studies(tmp_path_factory: pytest.TempPathFactory) -> str:
     ``again`` (uniform full/dots, same workload): every trial from ``reorder``'s measurements
     (cached), so a plan has several timed trials; its confirmation slows dots, whose later
     trials keep the fast search time, which only the plan's first trial may give.
-    ``presets`` and ``screening`` (tests/test_planner.py's): only full remat fits, and the
+    ``presets`` and ``screening`` (tests/search/test_planner.py's): only full remat fits, and the
     cost model screens plans out without compiling them (pruned trials, no values)."""
     folder = tmp_path_factory.mktemp("stored")
     storage = f"sqlite:///{folder / 'studies.db'}"

@@ -19,9 +19,10 @@ from rich.console import Console
 import remat_search
 from remat_search.store import cache
 from remat_search.cli import output
-from remat_search.search.planner import Observation, fit_cost_model, solve_front
+from remat_search.search.cost_model import Observation, fit_cost_model
+from remat_search.search.solver import solve_front
 from remat_search.report.queries import list_studies
-from remat_search.search.loop import plan_for_budget
+from remat_search.search.advice import plan_for_budget
 from remat_search.spec.models import parse_spec
 from remat_search.store.storage import LAYERS_ATTR, PREDICTION_ATTR, open_storage
 
