@@ -145,18 +145,21 @@ def open_storage(
                     storage = optuna.storages.RDBStorage(
                         url, engine_kwargs=engine_kwargs, skip_table_creation=not create, **(heartbeat or {})
                     )
+                if create and storage.engine.dialect.name == "sqlite":
+                    with storage.engine.connect() as connection:
+                        connection.exec_driver_sql("PRAGMA journal_mode=WAL")
                 break
             except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.ProgrammingError) as e:
                 # Another process made the tables just now: SQLite says "table … already exists",
                 # PostgreSQL a duplicate table or type. They are there now (optuna checks first).
+                # Or SQLite refused a lock at once, without waiting out the busy timeout, as it
+                # does where two connections' transactions would deadlock: "database is locked".
                 if attempt == 2 or (
-                    not isinstance(e, sqlalchemy.exc.IntegrityError) and "already exists" not in str(e)
+                    not isinstance(e, sqlalchemy.exc.IntegrityError)
+                    and "already exists" not in str(e) and "database is locked" not in str(e)
                 ):
                     raise
                 time.sleep(0.5)
-        if create and storage.engine.dialect.name == "sqlite":
-            with storage.engine.connect() as connection:
-                connection.exec_driver_sql("PRAGMA journal_mode=WAL")
         return storage
 
 
