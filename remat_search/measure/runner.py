@@ -18,7 +18,6 @@ traceback in its error (after its first line), and the search prints it on stder
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import multiprocessing
@@ -28,29 +27,21 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 import psutil
-from pydantic import BaseModel, ConfigDict
 
-from remat_search.measure.artifacts import ReferenceStore, reference_key
 from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
-from remat_search.measure.executables import (
-    INPUT_SEED,
-    Executables,
-    Known,
-    anchor_plan,
-    compiler_options,
-    measure,
-    retime,
-)
-from remat_search.measure.measurement import MEASUREMENT_SCHEMA, Measurement, RawMeasurement
+from remat_search.measure import protocol
+from remat_search.measure.artifacts import ReferenceStore, reference_key
+from remat_search.measure.device import DeviceInfo, describe, reference_parts
+from remat_search.measure.executables import Executables, Known, measure, retime
+from remat_search.measure.measurement import Measurement, RawMeasurement
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TargetConfig, TimingConfig, WorkloadConfig
-from remat_search.targets.base import device_order, target_of
+from remat_search.targets.base import target_of
 from remat_search.units import format_bytes
 
 STARTUP_TIMEOUT = 300.0
@@ -61,90 +52,6 @@ PARENT_POLL_SECONDS = 0.25
 MAX_REASON_CHARS = 400
 DEBUG_ENV = "REMAT_SEARCH_DEBUG"
 """Set (to anything), the worker sends its own traceback with every failure."""
-
-
-class DeviceInfo(BaseModel):
-    """What plans are compiled for, as the worker's JAX sees it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    target: str
-    """``local`` or the TPU topology."""
-    platform: str
-    device_kind: str
-    device_count: int
-    mesh: dict[str, int] | None
-    device_order: list[int] | None = None
-    """The devices' ids in the mesh's row-major order where it is not their own (ascending):
-    ``jax.make_mesh``'s placement over a TPU topology's links (``target.device_order``). None:
-    their own order, as every study measured before this field existed was (part of the cache
-    key and of the study's identity)."""
-    memory_limit: int | None
-    """Usable memory per device as its compiler or runtime reports it (None on CPU)."""
-    executes: bool
-    """Whether plans run here (local) or are only compiled (a TPU target from elsewhere)."""
-    jax_version: str
-    workload_fingerprint: str
-    compiler_options: str = ""
-    """The options and XLA flags plans are compiled with: part of the measurement cache key."""
-    compiler_version: str | None = None
-    """libtpu's version where plans are compiled for TPU (it is the compiler): part of the key."""
-    compiler_packages: str = ""
-    """The versions of the packages that compile plans here (:func:`compiler_packages`): part of
-    the measurement cache's key and of the saved reference's; "" where a study stored its device
-    before the field existed."""
-    measurement_schema: int = 0
-    """:data:`measurement.MEASUREMENT_SCHEMA` of the worker: what its measurements mean (part
-    of the key; 0 where a study stored its device before the field existed)."""
-    program_fingerprint: str = ""
-    """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
-    traced_names: tuple[str, ...] | None = None
-    """The ``checkpoint_name`` tags the traced step emits (None: it did not trace)."""
-    shardings: str | None = None
-    """Over a mesh, where the state's shardings come from (:meth:`Workload.sharding_source`):
-    the model's own partitioning or the FSDP heuristic; None without a mesh."""
-    sharding_digest: str = ""
-    """Hash of the state's and batch's ``PartitionSpec`` s over the mesh ("" without one):
-    part of the measurement cache key, as the model's partitioning changes per-chip memory."""
-    workload_note: str | None = None
-    """What the workload chose for this target that its spec left open, in a line
-    (:meth:`Workload.note`: ``attention: auto → flash (Pallas TPU kernel)``); None if nothing."""
-
-
-CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
-"""The packages that compile and run plans on NVIDIA GPUs (XLA:GPU and its PJRT plugin)."""
-
-
-def compiler_packages(platform: str) -> str:
-    """The versions of what compiles plans for ``platform`` here, as ``name version`` pairs:
-    jaxlib (XLA, whose CPU compiler it carries), libtpu for TPU, the CUDA plugin for GPU, each
-    where installed. A measurement or reference made with other versions is not reused."""
-    return ", ".join(installed_versions(["jaxlib", *{"tpu": ("libtpu",), "gpu": CUDA_PLUGINS}.get(platform, ())]))
-
-
-def installed_versions(names: Iterable[str]) -> list[str]:
-    """``name version`` of each of the packages ``names`` that is installed here."""
-    found = []
-    for name in names:
-        try:
-            found.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return found
-
-
-def reference_parts(info: DeviceInfo, layers: int) -> dict[str, Any]:
-    """What a study's saved reference first step depends on (:func:`artifacts.reference_key`):
-    the device and mesh, the state's shardings over it, the workload's shapes and program, the
-    compiler, the anchor plan and the input seed."""
-    return {
-        **info.model_dump(include={
-            "target", "platform", "device_kind", "device_count", "mesh", "shardings", "sharding_digest",
-            "jax_version", "workload_fingerprint", "program_fingerprint", "compiler_options", "compiler_version",
-            "compiler_packages",
-        }),
-        "anchor": anchor_plan(layers).digest, "input_seed": INPUT_SEED,
-    }
 
 
 class Runner:
@@ -199,32 +106,32 @@ class Runner:
         compiled to, before the worker would run it (see :func:`executables.measure`)."""
         self._ensure_worker()
         assert self._conn is not None and self._process is not None
-        self._conn.send(("measure", plan.to_json(), budget, timing, gradient_tolerance, known is not None))
+        self._conn.send(protocol.Measure(plan.to_json(), budget, timing, gradient_tolerance, ask=known is not None))
         deadline = time.monotonic() + self._timeout
         while True:
             stopped = self._wait(max(0.0, deadline - time.monotonic()), seconds=self._timeout)
             if stopped is not None:
                 return Measurement(status="failed", plan_digest=plan.digest, error=stopped)
             try:
-                kind, payload = self._conn.recv()
+                reply: protocol.Reply = self._conn.recv()
             except (EOFError, OSError):
                 reason = self._death_reason()
                 self.close()
                 return Measurement(status="failed", plan_digest=plan.digest, error=reason)
-            if kind != "program":
+            if not isinstance(reply, protocol.Program):
                 break
             assert known is not None
             try:
-                found = known(payload)  # the worker waits for the answer
+                found = known(reply.digest)  # the worker waits for the answer
             except BaseException:
                 self.close()  # it waits for an answer it will not get: a new worker for the next plan
                 raise
-            self._conn.send(("known", found.model_dump_json() if found is not None else None))
-        if kind == "error":
+            self._conn.send(protocol.Known(found.model_dump_json() if found is not None else None))
+        if isinstance(reply, protocol.Failed):
             if os.environ.get(DEBUG_ENV):
-                print(f"remat-search: plan {plan.summary()} failed in the worker: {payload}", file=sys.stderr)
-            return Measurement(status="failed", plan_digest=plan.digest, error=payload)
-        return Measurement.model_validate_json(payload)
+                print(f"remat-search: plan {plan.summary()} failed in the worker: {reply.reason}", file=sys.stderr)
+            return Measurement(status="failed", plan_digest=plan.digest, error=reply.reason)
+        return Measurement.model_validate_json(reply.payload)
 
     def retime(
         self, plans: list[RematPlan], *, warmup: int, rounds: int, budget: int | None = None
@@ -236,19 +143,19 @@ class Runner:
         """
         self._ensure_worker()
         assert self._conn is not None
-        self._conn.send(("retime", [p.to_json() for p in plans], warmup, rounds, budget))
+        self._conn.send(protocol.Retime([p.to_json() for p in plans], warmup, rounds, budget))
         stopped = self._wait(self._timeout * len(plans))
         if stopped is not None:
             raise RematSearchError(f"confirm: re-timing {stopped}")
         try:
-            kind, payload = self._conn.recv()
+            reply: protocol.Done | protocol.Failed = self._conn.recv()
         except (EOFError, OSError):
             reason = self._death_reason()
             self.close()
             raise RematSearchError(f"confirm: re-timing failed ({reason})") from None
-        if kind == "error":
-            raise RematSearchError(f"confirm: re-timing failed ({payload})")
-        return [tuple(t) for t in json.loads(payload)]
+        if isinstance(reply, protocol.Failed):
+            raise RematSearchError(f"confirm: re-timing failed ({reply.reason})")
+        return [tuple(t) for t in json.loads(reply.payload)]
 
     def kill(self) -> None:
         """Kill the worker now, from any thread: a measurement in progress comes back failed
@@ -286,21 +193,19 @@ class Runner:
         if stopped is not None:
             raise WorkloadError(f"workload: the worker did not start ({stopped})")
         try:
-            kind, payload = parent_conn.recv()
+            said: protocol.Ready | protocol.StartFailed = parent_conn.recv()
         except EOFError:
             reason = self._death_reason()
             self.close()
             raise WorkloadError(f"workload: the worker could not start ({reason})") from None
-        if kind == "spec_error":
+        if isinstance(said, protocol.StartFailed):
             self.close()
-            raise SpecError(payload)
-        if kind == "run_error":
-            self.close()
-            raise RunError(payload)
-        if kind == "error":
-            self.close()
-            raise WorkloadError(f"workload: the worker could not build it ({payload})")
-        self._info = DeviceInfo.model_validate_json(payload)
+            if said.kind == "spec":
+                raise SpecError(said.reason)
+            if said.kind == "run":
+                raise RunError(said.reason)
+            raise WorkloadError(f"workload: the worker could not build it ({said.reason})")
+        self._info = DeviceInfo.model_validate_json(said.info)
 
     def _wait(self, left: float, limit: str | None = "timing.timeout", *, seconds: float | None = None) -> str | None:
         """Wait up to ``left`` seconds for the worker to answer (or die); None when it did.
@@ -376,7 +281,8 @@ def _serve(
     try:
         import jax
 
-        from remat_search.workloads.base import build_workload, check_params_from, trace_step
+        from remat_search.workloads.base import build_workload, check_params_from
+        from remat_search.workloads.tracing import trace_step
 
         if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
@@ -392,78 +298,48 @@ def _serve(
         if mesh is not None:
             workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
         traced = trace_step(workload)
-        info = DeviceInfo(
-            target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
-            device_count=mesh.size if mesh is not None else 1,
-            mesh=dict(mesh.shape) if mesh is not None else None,
-            device_order=device_order(mesh),
-            memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
-            workload_fingerprint=workload.fingerprint(),
-            program_fingerprint=traced.fingerprint,
-            traced_names=None if traced.names is None else tuple(sorted(traced.names)),
-            shardings=workload.sharding_source() if mesh is not None else None,
-            sharding_digest=_sharding_digest(workload, mesh),
-            workload_note=workload.note(),
-            compiler_options=json.dumps({
-                "options": compiler_options(target.platform),
-                **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
-            }, sort_keys=True),
-            compiler_version=target.compiler_version(),
-            compiler_packages=compiler_packages(target.platform),
-            measurement_schema=MEASUREMENT_SCHEMA,
-        )
+        info = describe(target, mesh, workload, traced)
     except (SpecError, WorkloadError) as e:  # the spec's mesh or the model's partitioning, found with the mesh
-        conn.send(("spec_error", str(e)))
+        conn.send(protocol.StartFailed("spec", str(e)))
         return
     except RunError as e:  # e.g. the target's compiler did not state its memory
-        conn.send(("run_error", str(e)))
+        conn.send(protocol.StartFailed("run", str(e)))
         return
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", _failure(e, line=False)))
+        conn.send(protocol.StartFailed("other", _failure(e, line=False)))
         return
-    conn.send(("ready", info.model_dump_json()))
+    conn.send(protocol.Ready(info.model_dump_json()))
     store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
     executables = Executables(workload, target=target, mesh=mesh, reference_store=store)
     while True:
         try:
-            command, *args = conn.recv()
+            request: protocol.Measure | protocol.Retime = conn.recv()
         except EOFError:
             return
         try:
-            if command == "retime":
-                plans_json, warmup, rounds, budget = args
-                plans = [RematPlan.model_validate_json(p) for p in plans_json]
-                times = retime(executables, plans, warmup=warmup, rounds=rounds, budget=budget)
-                conn.send(("ok", json.dumps(times)))
+            if isinstance(request, protocol.Retime):
+                plans = [RematPlan.model_validate_json(p) for p in request.plans]
+                times = retime(executables, plans, warmup=request.warmup, rounds=request.rounds, budget=request.budget)
+                conn.send(protocol.Done(json.dumps(times)))
                 continue
-            plan_json, budget, timing, tolerance, ask = args
             m = measure(
-                executables, RematPlan.model_validate_json(plan_json), budget=budget,
-                timing=timing, gradient_tolerance=tolerance, known=_asker(conn) if ask else None,
+                executables, RematPlan.model_validate_json(request.plan), budget=request.budget,
+                timing=request.timing, gradient_tolerance=request.gradient_tolerance,
+                known=_asker(conn) if request.ask else None,
             )
-            conn.send(("ok", m.model_dump_json()))
+            conn.send(protocol.Done(m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
-            conn.send(("error", _failure(e)))
-
-
-def _sharding_digest(workload: Any, mesh: Any) -> str:
-    """See :attr:`DeviceInfo.sharding_digest`."""
-    if mesh is None:
-        return ""
-    import jax
-
-    specs = [str(s.spec) for s in jax.tree.leaves(workload.input_shardings(mesh))]
-    return hashlib.sha256(json.dumps(specs).encode()).hexdigest()[:16]
+            conn.send(protocol.Failed(_failure(e)))
 
 
 def _asker(conn: Connection) -> Known:
     """Ask the parent (see :meth:`Runner.measure`) for a measurement of a compiled program."""
 
     def known(program: str) -> RawMeasurement | None:
-        conn.send(("program", program))
-        _, payload = conn.recv()
-        return RawMeasurement.model_validate_json(payload) if payload is not None else None
+        conn.send(protocol.Program(program))
+        answer: protocol.Known = conn.recv()
+        return RawMeasurement.model_validate_json(answer.measurement) if answer.measurement is not None else None
 
     return known
 
