@@ -10,7 +10,8 @@ remat, the same mathematics in the least memory, run only where it fits the budg
 step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
 step of the anchor (full remat again). What was seen is a raw measurement, judged against the
 budget and the tolerance by :func:`measurement.judge`. :func:`retime` re-times kept executables
-interleaved.
+interleaved. What is read off a compiled program besides its memory (its digest, cost and I/O
+bytes) is :mod:`remat_search.measure.program`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ The worker exits by itself within :data:`PARENT_POLL_SECONDS` of its parent's de
 worker outlives the search that started it, however that search ends. With
 ``REMAT_SEARCH_DEBUG`` set, a candidate that raises in the worker carries the worker's own
 traceback in its error (after its first line), and the search prints it on stderr.
+
+The runner and its worker speak the typed messages of :mod:`remat_search.measure.protocol`;
+what the worker runs on is told as a :class:`~remat_search.measure.device.DeviceInfo`.
 """
 
 from __future__ import annotations

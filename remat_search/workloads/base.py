@@ -3,10 +3,13 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
 times: a donated training step (``step``).
-Built-in kinds are ``transformer``, ``mlp`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
+Built-in kinds are ``transformer``, ``mlp``, ``nnx`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
-is built, not with this module: reading studies needs none.
+is built, not with this module: reading studies needs none. How the state and batch are split
+over a mesh (and a Flax model's logical axis rules) is :mod:`remat_search.workloads.sharding`;
+tracing the step, :mod:`remat_search.workloads.tracing`. ``tests/workloads/test_workloads.py`` runs
+every kind under one contract.
 """
 
 from __future__ import annotations
