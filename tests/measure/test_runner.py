@@ -34,7 +34,7 @@ def test_with_remat_search_debug_a_candidate_that_raises_shows_the_workers_trace
     first, _, rest = error.partition("\n")
     assert first.startswith("RuntimeError: this model is broken (at factories.py:")  # the line tables show
     assert rest.startswith("worker traceback:\nTraceback (most recent call last):")
-    assert 'workloads.py", line' in rest and 'raise RuntimeError("this model is broken")' in rest
+    assert 'factories.py", line' in rest and 'raise RuntimeError("this model is broken")' in rest
     assert "executables.py" in rest  # the worker's own frames, from where it compiles the plan
     shown = capfd.readouterr().err
     assert "plan full×3 failed in the worker: RuntimeError: this model is broken" in shown
