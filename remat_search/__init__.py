@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         StorageError,
         WorkloadError,
     )
-    from remat_search.measure.executables import compiler_options
+    from remat_search.targets.platform import compiler_options
     from remat_search.measure.measurement import Measurement, MemoryBreakdown
     from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
     from remat_search.search.advice import Advice, plan_for_budget
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
     **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
-    **dict.fromkeys(('compiler_options',), "remat_search.measure.executables"),
+    **dict.fromkeys(('compiler_options',), "remat_search.targets.platform"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
     **dict.fromkeys(('Advice', 'plan_for_budget'), "remat_search.search.advice"),

@@ -34,8 +34,10 @@ from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import StorageError
-from remat_search.measure.runner import Runner, installed_versions
+from remat_search.measure.device import installed_versions
+from remat_search.measure.runner import Runner
 from remat_search.spec.models import HeartbeatConfig, MlpConfig
+from remat_search.targets.platform import is_cpu
 from remat_search.store.cache import measurements
 from remat_search.store.liveness import orphaned
 from remat_search.store.storage import (
@@ -258,7 +260,7 @@ def _backend_checks() -> list[Check]:
     found = (f"jax {device.jax_version} on {device.platform}: {device.device_count} × {device.device_kind}"
              f"{installed}")
     gpu_plugin = any(p.startswith(("jax-cuda", "jax-rocm")) for p in plugins)
-    if device.platform == "cpu" and gpu_plugin:
+    if is_cpu(device.platform) and gpu_plugin:
         backend = Check(name="backend", status="warn", found=found,
                         fix="a GPU plugin is installed but JAX found no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     else:

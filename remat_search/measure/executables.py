@@ -10,17 +10,16 @@ remat, the same mathematics in the least memory, run only where it fits the budg
 step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
 step of the anchor (full remat again). What was seen is a raw measurement, judged against the
 budget and the tolerance by :func:`measurement.judge`. :func:`retime` re-times kept executables
-interleaved.
+interleaved. What is read off a compiled program besides its memory (its digest, cost and I/O
+bytes) is :mod:`remat_search.measure.program`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
-import re
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +28,13 @@ import numpy as np
 
 from remat_search.measure.artifacts import ReferenceStore
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
+from remat_search.measure.program import io_bytes, program_cost, program_digest
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TimingConfig
 from remat_search.targets.step_time import StepEstimate
-from remat_search.targets.base import LocalTarget, Target, out_of_memory
+from remat_search.targets.base import Target, out_of_memory
+from remat_search.targets.local import LocalTarget
+from remat_search.targets.platform import compiler_options
 from remat_search.units import format_bytes
 
 KEPT_EXECUTABLES = 64
@@ -40,9 +42,6 @@ KEPT_EXECUTABLES = 64
 
 INPUT_SEED = 0
 """The seed of the fresh inputs every checked first step starts from (the reference's too)."""
-
-# On CPU the default (concurrency-optimised) scheduler hides what remat saves.
-CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,6 @@ class Executables:
         self.workload, self.mesh, self.capacity = workload, mesh, capacity
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
-        self.cpu = self.target.platform == "cpu"
         self.anchor_plan = anchor_plan(workload.layers)
         self._kept: OrderedDict[str, Build] = OrderedDict()
         self._anchor: Build | None = None
@@ -181,7 +179,7 @@ class Executables:
             return Build(
                 None, time.perf_counter() - start, started, oom=(temp + io_bytes(lowered, abstract), temp, available)
             )
-        text, cost = compiled.as_text(), _cost(compiled)
+        text, cost = compiled.as_text(), program_cost(compiled)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
@@ -192,41 +190,6 @@ class Executables:
 Known = Callable[[str], RawMeasurement | None]
 """A raw measurement of a compiled program (by :func:`program_digest`) that may stand for a
 plan's, or None: the search asks its study and the measurement cache (``cache.lookup_program``)."""
-
-_DEBUG_SECTIONS = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n?)*", re.MULTILINE)
-_METADATA = re.compile(r',?\s*metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
-_NAME = re.compile(r"%?\b([A-Za-z_][\w\-]*?)\.(\d+)\b")
-_CALLBACK = re.compile(r'custom_call_target="[^"]*callback[^"]*"')
-
-
-def program_digest(hlo: str) -> str | None:
-    """A hash (16 hex digits) of an optimized HLO module's text (``Compiled.as_text()``) that
-    two compiles of one program share: the source locations (``metadata``, the stack-frame
-    tables) are left out, and each numbered name (``%fusion.12``) is renumbered in order of
-    first appearance, per base name, since plans whose traces differ number the same
-    instructions differently. Only names defined with ``%`` are renumbered.
-
-    None for a program that calls back into Python (``jax.debug.callback``,
-    ``jax.pure_callback``): the text names the callback by its index alone, so what it does,
-    which may differ from plan to plan, is not in the text."""
-    if _CALLBACK.search(hlo):
-        return None
-    text = _METADATA.sub("", _DEBUG_SECTIONS.sub("", hlo))
-    defined = {m.group(0)[1:] for m in _NAME.finditer(text) if m.group(0).startswith("%")}
-    seen: dict[str, str] = {}
-    counts: Counter[str] = Counter()
-
-    def rename(m: re.Match[str]) -> str:
-        token = m.group(0).lstrip("%")
-        if token not in defined:
-            return m.group(0)
-        if token not in seen:
-            seen[token] = f"{m.group(1)}.{counts[m.group(1)]}"
-            counts[m.group(1)] += 1
-        return m.group(0)[: len(m.group(0)) - len(token)] + seen[token]
-
-    return hashlib.sha256(_NAME.sub(rename, text).encode()).hexdigest()[:16]
-
 
 def measure(
     executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
@@ -383,32 +346,6 @@ def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
     return delta if after.dtype.itemsize > 4 else delta.astype(np.float32)
 
 
-def io_bytes(lowered: Any, abstract: Any) -> int:
-    """Per-chip bytes of a lowered program's arguments and outputs, less the donated arguments
-    that outputs of the same shape alias: what the TPU compiler's out-of-memory error leaves
-    out of the bytes it needs. Logical sizes (before the TPU pads arrays to tiles)."""
-    import jax
-
-    def shard(a: Any) -> tuple[tuple[int, ...], str]:
-        sharding = getattr(a, "sharding", None)
-        shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
-        return tuple(shape), str(np.dtype(a.dtype))
-
-    def nbytes(key: tuple[tuple[int, ...], str]) -> int:
-        return math.prod(key[0]) * np.dtype(key[1]).itemsize
-
-    args = [shard(a) for a in jax.tree.leaves(abstract)]
-    donated = [info.donated for info in jax.tree.leaves(lowered.args_info)]
-    free = Counter(key for key, d in zip(args, donated, strict=True) if d)
-    total = sum(map(nbytes, args))
-    for key in (shard(o) for o in jax.tree.leaves(lowered.out_info)):
-        total += nbytes(key)
-        if free[key]:  # a donated argument's buffer holds this output
-            free[key] -= 1
-            total -= nbytes(key)
-    return total
-
-
 def _time_steps(
     steps: list[Any], inputs: tuple[Any, Any], *, warmup: int, rounds: int, order: random.Random | None = None
 ) -> tuple[list[tuple[float, ...]], float]:
@@ -433,16 +370,6 @@ def _time_steps(
     return [tuple(t) for t in times], float(loss)
 
 
-def compiler_options(platform: str) -> dict[str, str]:
-    """The compiler options remat-search compiles plans for ``platform`` (``cpu``, ``gpu``,
-    ``tpu``: ``jax.default_backend()``) with: on CPU the memory-optimised scheduler, which is
-    what shows remat's savings there (XLA's default CPU scheduler orders work for concurrency
-    and keeps what remat would free alive); none elsewhere. A training script that compiles its
-    step with them (``lowered.compile(compiler_options=...)``) gets the memory the study
-    measured for its plan, to the byte."""
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-
-
 def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
     """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
     arrays: gradients, or what a plan's first step did (state change and loss) against the
@@ -459,11 +386,3 @@ def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
         abs_error = max(abs_error, diff)
         rel_error = max(rel_error, diff / scale if scale > 0 else diff)
     return abs_error, rel_error
-
-
-def _cost(compiled: Any) -> dict[str, float]:
-    """FLOPs and bytes accessed of one device's program (recomputation included)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older JAX returns one dict per device program
-        cost = cost[0] if cost else {}
-    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if cost and k in cost}

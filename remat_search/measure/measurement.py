@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
+from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
 MEASUREMENT_SCHEMA = 7
@@ -57,7 +58,7 @@ class MemoryBreakdown(BaseModel):
     the compiler says none (and in measurements made before these were kept)."""
     compiler_peak: int | None = None
     """``peak_memory_in_bytes``: reported on TPU (and GPU); on CPU a constant, so not kept."""
-    platform: Literal["cpu", "gpu", "tpu"] | None = None
+    platform: Platform | None = None
     """What the program was compiled for, which decides the :attr:`peak` rule; None in
     measurements made before it was kept (schema 6 and before: the larger figure, as then)."""
 
@@ -70,8 +71,8 @@ class MemoryBreakdown(BaseModel):
         return cls(
             **{f: int(getattr(m, f"{f}_size_in_bytes")) for f in fields},
             **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields},
-            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if platform != "cpu" else None,
-            platform=platform if platform in ("cpu", "gpu", "tpu") else None,
+            compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if reports_compiler_peak(platform) else None,
+            platform=platform if platform in PLATFORMS else None,
         )
 
     @computed_field  # type: ignore[prop-decorator]
@@ -117,7 +118,7 @@ class MemoryBreakdown(BaseModel):
     def peak_source(self) -> Literal["breakdown_sum", "compiler_peak"]:
         """Which figure :attr:`peak` is (see there)."""
         read = self.compiler_peak is not None and self.compiler_peak > 0
-        if self.platform == "tpu":
+        if self.platform is not None and is_tpu(self.platform):
             return "compiler_peak" if read else "breakdown_sum"
         return "compiler_peak" if read and (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import optuna
 
 from remat_search.errors import SpecError, StorageError
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.report.stored import open_study
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.runners import resolve_budget
@@ -41,6 +41,7 @@ from remat_search.spec.models import SearchSpec, TransformerConfig
 from remat_search.store import cache
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
 from remat_search.store.storage import LAYERS_ATTR, QUEUED_ATTR, SPEC_ATTR, check_storage, open_storage, translate_errors
+from remat_search.targets.platform import offloads_to_host
 from remat_search.workloads.base import build_workload
 
 logger = logging.getLogger("remat_search")
@@ -119,7 +120,7 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo) -> Opened:
     budget, given its sampler, and its dead trials taken back."""
     _warn_untagged(spec, device)
     offload = [c.label for c in spec.space.choices if c.policy.host_memory]
-    if offload and device.platform == "cpu":
+    if offload and not offloads_to_host(device.platform):
         raise SpecError(
             f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
             "this machine compiles for cpu"

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.report.results import TrialResult
 
 

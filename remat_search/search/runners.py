@@ -13,7 +13,8 @@ import psutil
 
 from remat_search.errors import SpecError
 from remat_search.measure.artifacts import ARTIFACTS
-from remat_search.measure.runner import DeviceInfo, Runner
+from remat_search.measure.device import DeviceInfo
+from remat_search.measure.runner import Runner
 from remat_search.spec.models import SearchSpec, storage_home
 from remat_search.units import format_bytes
 

@@ -14,7 +14,7 @@ import time
 
 import optuna
 
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.search.progress import ProgressCallback
 from remat_search.search.space import Space
 from remat_search.spec.models import SearchSpec

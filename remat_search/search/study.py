@@ -19,7 +19,7 @@ import optuna
 from pydantic import TypeAdapter
 
 from remat_search.errors import SpecError, StorageError
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.spec.models import SearchSpec, parse_spec
 from remat_search.store.liveness import finished_trials
 from remat_search.store.storage import SPEC_ATTR

@@ -37,6 +37,7 @@ from pydantic import (
 
 from remat_search.errors import SpecError
 from remat_search.plans.policy import POLICIES, LayerPolicy
+from remat_search.targets.platform import is_gpu, is_tpu
 from remat_search.units import Bytes, Seconds
 
 STORAGE_ENV = "REMAT_SEARCH_STORAGE"
@@ -137,9 +138,9 @@ def resolved_attention(config: TransformerConfig, platform: str) -> Literal["den
     ``dot_product_attention`` keeps the scores too, and its peak was not reliably lower."""
     if config.attention != "auto":
         return config.attention
-    if platform == "tpu":
+    if is_tpu(platform):
         return "flash" if flash_tiles(config) else "dense"
-    return "flash" if platform == "gpu" else "dense"
+    return "flash" if is_gpu(platform) else "dense"
 
 
 class MlpConfig(_WorkloadConfig):

@@ -4,7 +4,7 @@ A measurement depends on the workload (its shapes' fingerprint and its step's ja
 edit to the model's code is a new workload), the plan (its digest), where it
 was compiled (target and mesh), the device kind, the JAX version, the compiler options
 (XLA flags included), the compiler's packages (jaxlib; libtpu for TPU, the CUDA plugin for
-GPU: :func:`runner.compiler_packages`) and what a measurement means
+GPU: :func:`device.compiler_packages`) and what a measurement means
 (:data:`~remat_search.measure.measurement.MEASUREMENT_SCHEMA`) — that tuple is the key of our own
 table, ``remat_search_measurements``,
 in the same database as optuna's tables. It keeps raw measurements only (what the compiler
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import sqlalchemy as sa
 
 from remat_search.measure.measurement import Measurement, RawMeasurement
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.spec.models import MESH_AXES
 from remat_search.store.storage import host_name
 

@@ -3,10 +3,13 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
 times: a donated training step (``step``).
-Built-in kinds are ``transformer``, ``mlp`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
+Built-in kinds are ``transformer``, ``mlp``, ``nnx`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
-is built, not with this module: reading studies needs none.
+is built, not with this module: reading studies needs none. How the state and batch are split
+over a mesh (and a Flax model's logical axis rules) is :mod:`remat_search.workloads.sharding`;
+tracing the step, :mod:`remat_search.workloads.tracing`. ``tests/workloads/test_workloads.py`` runs
+every kind under one contract.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import importlib
 import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import FactoryConfig, WorkloadConfig
+from remat_search.workloads.sharding import own_shardings, split_batch_over
 
 if TYPE_CHECKING:
     import jax
@@ -198,7 +202,7 @@ class Workload(abc.ABC):
         own = self.param_partitioning()
         if own is None:
             return jax.tree.map(state_spec, (params, opt_state)), jax.tree.map(batch_spec, batch)
-        param_shardings = _own_shardings(mesh, own, params, self.rule_axes())
+        param_shardings = own_shardings(mesh, own, params, self.rule_axes())
         structure = jax.tree.structure(params)
 
         def mirrored(sub: PyTree) -> PyTree:  # an optimizer's moments mirror the parameters
@@ -265,127 +269,6 @@ class Workload(abc.ABC):
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def split_batch_over(mesh: Mesh | None) -> tuple[str, ...]:
-    """The mesh axes the batch's leading dimension is split over: ``data`` and ``fsdp``, those
-    of more than one device (none without a mesh)."""
-    if mesh is None:
-        return ()
-    return tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
-
-
-def _own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree, rule_axes: frozenset[str] | None) -> PyTree:
-    """``NamedSharding``s of ``params`` from a model's ``PartitionSpec`` s (one per leaf): axes
-    the mesh lacks are left out (at size 1: the model's run on such a mesh is not split over
-    them); where the spec's rules map the names (``rule_axes``, see :meth:`Workload.rule_axes`),
-    a name neither they nor the mesh have is a :class:`WorkloadError` (an unmapped logical
-    name); a dimension the mesh's axes do not divide is a :class:`SpecError` naming the parameter."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    def sharding(path: Any, a: jax.ShapeDtypeStruct, spec: Any) -> NamedSharding:
-        dims = []
-        for d, entry in enumerate(tuple(spec) + (None,) * (a.ndim - len(spec))):
-            named = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            unknown = [x for x in named if rule_axes is not None and x not in mesh.shape and x not in rule_axes]
-            if unknown:
-                mapped = ", ".join(sorted(rule_axes or ())) or "none"
-                raise WorkloadError(
-                    f"workload.logical_axis_rules: the model partitions parameter {jax.tree_util.keystr(path)} over "
-                    f"{unknown[0]!r}, which is no mesh axis (spec.mesh has {', '.join(mesh.axis_names)}; the rules "
-                    f"map onto {mapped}); map its logical names onto mesh axes: [[name, mesh axis or null], ...]"
-                )
-            axes = tuple(x for x in named if x in mesh.shape)
-            ways = math.prod(mesh.shape[x] for x in axes)
-            if a.shape[d] % ways:
-                raise SpecError(
-                    f"spec.mesh: the model splits parameter {jax.tree_util.keystr(path)} (shape {list(a.shape)}) "
-                    f"over {' × '.join(axes)} = {ways} in dimension {d}, which that does not divide"
-                )
-            dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return NamedSharding(mesh, P(*dims))
-
-    specs = jax.tree.structure(params).flatten_up_to(partitioning)
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return jax.tree.unflatten(
-        jax.tree.structure(params), [sharding(path, a, spec) for (path, a), spec in zip(leaves, specs, strict=True)]
-    )
-
-
-class TracedStep(NamedTuple):
-    """What tracing the no-remat training step tells of a workload."""
-
-    fingerprint: str
-    """A hash of its jaxpr: it changes when the model's code or the optimizer does, even at the
-    same shapes, so cached measurements of old code are not reused."""
-    names: frozenset[str] | None
-    """The ``checkpoint_name`` tags the step emits (a model's tags may depend on its
-    configuration); None where it does not trace."""
-
-
-def trace_step(workload: Workload) -> TracedStep:
-    """Trace ``workload``'s no-remat step (within its :meth:`Workload.tracing` context)."""
-    import jax
-
-    try:
-        with workload.tracing():
-            state, batch = workload.abstract_inputs()
-            jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
-    except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
-        return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
-    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))
-
-
-def traced_names(jaxpr: Any) -> frozenset[str]:
-    """The ``checkpoint_name`` tags (the ``name`` primitive) in ``jaxpr`` (a ClosedJaxpr or a
-    Jaxpr) and every jaxpr inside it (jit, scan, remat, cond)."""
-    found: set[str] = set()
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-                    found |= traced_names(sub)
-    return frozenset(found)
-
-
-def rule_targets(rules: Any) -> frozenset[str]:
-    """The mesh axes logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) map onto."""
-    return frozenset(
-        axis for _, target in rules or () for axis in ((target,) if isinstance(target, str) else target or ())
-    )
-
-
-def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | None:
-    """Logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) with the axes ``mesh``
-    lacks left out (a name mapped only onto those is unsplit), as a model run on that mesh
-    would have them at size 1; the rules as written where there is no mesh."""
-    if rules is None or mesh is None:
-        return rules
-
-    def kept(target: Any) -> Any:
-        axes = tuple(a for a in ((target,) if isinstance(target, str) else target or ()) if a in mesh.shape)
-        return None if not axes else axes[0] if len(axes) == 1 else axes
-
-    return tuple((name, kept(target)) for name, target in rules)
-
-
-def flax_tracing(rules: Any, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
-    """The context a Flax model's step is traced in: its logical axis ``rules`` in force (as
-    :func:`rules_on` ``mesh``) and ``mesh`` as the abstract mesh, so that its own sharding
-    constraints (``nn.with_logical_constraint``) apply. For linen and NNX alike (one setting)."""
-    import flax.linen as nn
-    import jax
-
-    stack = contextlib.ExitStack()
-    if rules is not None:
-        stack.enter_context(nn.logical_axis_rules(rules_on(rules, mesh)))
-    if mesh is not None:
-        stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
-    return stack
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

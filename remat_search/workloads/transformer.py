@@ -27,7 +27,9 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_search.errors import SpecError
 from remat_search.plans.plan import RematPlan, apply_layers, scan_layers
 from remat_search.spec.models import FLASH_BLOCK, TransformerConfig, flash_tiles, resolved_attention
-from remat_search.workloads.base import PyTree, Workload, split_batch_over
+from remat_search.targets.platform import is_tpu
+from remat_search.workloads.base import PyTree, Workload
+from remat_search.workloads.sharding import split_batch_over
 
 TENSOR_NAMES = frozenset(
     {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"}
@@ -96,7 +98,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: A
     batch_axes = split_batch_over(mesh)
     ways = math.prod(mesh.shape[a] for a in batch_axes)
     # Not the TPU kernel off a TPU, nor for init's one-sequence batch (it only shapes the parameters).
-    if mesh is None or mesh.devices.flat[0].platform != "tpu" or q.shape[0] % ways:
+    if mesh is None or not is_tpu(mesh.devices.flat[0].platform) or q.shape[0] % ways:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
     from jax.sharding import PartitionSpec as P
@@ -133,7 +135,7 @@ class TransformerWorkload(Workload):
         """Keep the mesh (the flash kernel runs per shard of it); refuse a sequence the TPU
         kernel cannot tile."""
         c = self.config
-        if c.attention == "flash" and mesh is not None and mesh.devices.flat[0].platform == "tpu" and not flash_tiles(c):
+        if c.attention == "flash" and mesh is not None and is_tpu(mesh.devices.flat[0].platform) and not flash_tiles(c):
             raise SpecError(
                 f"workload.attention: flash on a TPU target runs the Pallas kernel, whose blocks are "
                 f"{FLASH_BLOCK} tokens: seq_len must be a multiple of {FLASH_BLOCK}, got {c.seq_len}"
@@ -155,10 +157,10 @@ class TransformerWorkload(Workload):
         if self.config.attention != "auto":
             return None
         platform = self.platform
-        tpu_kernel = self.mesh is not None and platform == "tpu"
+        tpu_kernel = self.mesh is not None and is_tpu(platform)
         if self.attention == "flash":
             return f"attention: auto → flash ({'Pallas TPU kernel' if tpu_kernel else 'jax.nn.dot_product_attention'})"
-        if platform == "tpu":
+        if is_tpu(platform):
             return (f"attention: auto → dense (seq_len {self.config.seq_len} is not a multiple of the "
                     f"Pallas TPU kernel's {FLASH_BLOCK}-token blocks)")
         return f"attention: auto → dense (on {platform}, flash would be XLA's composition, which keeps the scores too)"

@@ -11,8 +11,9 @@ import sqlalchemy as sa
 import remat_search
 from remat_search import LayerPolicy, RematPlan, build_workload
 from remat_search.store import cache
-from remat_search.measure.executables import Executables, measure, program_digest
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.executables import Executables, measure
+from remat_search.measure.program import program_digest
+from remat_search.measure.device import DeviceInfo
 from remat_search.spec.models import TimingConfig, TransformerConfig, parse_spec
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict

@@ -13,7 +13,8 @@ import optuna
 import pytest
 
 from remat_search import LayerPolicy, RematPlan, SpecError
-from remat_search.measure.executables import CPU_COMPILER_OPTIONS, gradient_error
+from remat_search.measure.executables import gradient_error
+from remat_search.targets.platform import CPU_COMPILER_OPTIONS
 from remat_search.measure.measurement import MemoryBreakdown
 from remat_search.workloads.mlp import MlpWorkload
 from remat_search.plans.plan import apply_layers, scan_layers, segments

@@ -17,7 +17,8 @@ from remat_search import RematPlan
 from remat_search.store import cache
 from remat_search.measure.executables import KEPT_EXECUTABLES, Executables, anchor_plan, measure
 from remat_search.measure.measurement import MEASUREMENT_SCHEMA, Measurement, MemoryBreakdown, RawMeasurement, judge
-from remat_search.measure.runner import DeviceInfo, Runner
+from remat_search.measure.device import DeviceInfo
+from remat_search.measure.runner import Runner
 from remat_search.spec.models import TimingConfig, parse_spec
 from remat_search.units import format_seconds
 
@@ -434,7 +435,7 @@ def test_the_compiler_s_packages_key_the_cache_and_the_saved_reference() -> None
     import importlib.metadata
 
     from remat_search.measure.artifacts import reference_key
-    from remat_search.measure.runner import compiler_packages, reference_parts
+    from remat_search.measure.device import compiler_packages, reference_parts
 
     from tests.factories import TINY_MLP
 

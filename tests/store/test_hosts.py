@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # several host processes on one storage
 HOLD = """
 import sys, time
 from pathlib import Path
-from remat_search.targets.base import LocalTarget
+from remat_search.targets.local import LocalTarget
 log, start = Path(sys.argv[1]), Path(sys.argv[2])
 target = LocalTarget()
 target.devices()

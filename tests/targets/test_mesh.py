@@ -17,9 +17,10 @@ from jax.sharding import AxisType
 import remat_search
 from remat_search import MemoryBreakdown, RematPlan, build_workload
 from remat_search.store.cache import cache_key
-from remat_search.measure.runner import DeviceInfo
+from remat_search.measure.device import DeviceInfo
 from remat_search.spec.models import TpuTarget, TransformerConfig
-from remat_search.targets.base import device_order, make_mesh, target_of
+from remat_search.targets.base import target_of
+from remat_search.targets.mesh import device_order, make_mesh
 
 from tests.conftest import spec_dict, write_spec
 

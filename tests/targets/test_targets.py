@@ -1,14 +1,17 @@
 """Every kind of target (remat_search.targets.base.TARGETS) under one contract: the devices plans
-are compiled for and a mesh over them, the memory per device, the compiler's version, and one
-tiny plan measured: run and timed where the target executes, compiled and estimated where it
-does not (a TPU topology, by libtpu on this host: one small compile)."""
+are compiled for and a mesh over them, the memory per device, the compiler's version, the
+verdict on a program over that memory, and one tiny plan measured: run and timed where the
+target executes, compiled and estimated where it does not (a TPU topology, by libtpu on this
+host: small compiles)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_search import RunError, SpecError
 from remat_search.store import cache
@@ -16,7 +19,10 @@ from remat_search.measure.executables import Executables, anchor_plan, measure
 from remat_search.measure.measurement import judge
 from remat_search.workloads.mlp import MlpWorkload
 from remat_search.spec.models import MlpConfig, TimingConfig, TpuTarget, target_kind
-from remat_search.targets.base import TARGETS, LocalTarget, Target, TpuAotTarget, hbm_of, probe_hbm, target_of
+from remat_search.targets.base import TARGETS, Target, out_of_memory, target_class, target_of
+from remat_search.targets.local import LocalTarget
+from remat_search.targets.platform import is_cpu, is_tpu
+from remat_search.targets.tpu import TpuAotTarget, hbm_of, probe_hbm
 
 EXAMPLES: dict[type[Target], Any] = {
     LocalTarget: "local",
@@ -27,15 +33,15 @@ TINY = MlpConfig(kind="mlp", layers=2, width=128, hidden=256, batch=16)
 
 
 def test_every_kind_of_target_has_an_example() -> None:
-    assert set(EXAMPLES) == set(TARGETS.values())
+    assert set(EXAMPLES) == {target_class(kind) for kind in TARGETS}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def target(request: pytest.FixtureRequest) -> Target:
-    config = EXAMPLES[TARGETS[request.param]]
+    config = EXAMPLES[target_class(request.param)]
     assert target_kind(config) == request.param
     made = target_of(config)  # the one place that picks the class
-    assert type(made) is TARGETS[request.param]
+    assert type(made) is target_class(request.param)
     return made
 
 
@@ -55,9 +61,27 @@ def test_a_target_names_its_devices_and_meshes_them(target: Target) -> None:
 
 def test_a_target_states_its_memory_and_its_compiler(target: Target) -> None:
     limit = target.memory_limit(target.mesh({"data": len(target.devices())}))
-    assert limit is None if target.platform == "cpu" else limit > 2**30
+    assert limit is None if is_cpu(target.platform) else limit > 2**30
     version = target.compiler_version()  # libtpu's where it compiles for TPU: part of the cache key
-    assert (version is not None) == (target.platform == "tpu")
+    assert (version is not None) == is_tpu(target.platform)
+
+
+def test_a_target_refuses_a_program_over_its_memory_with_the_compilers_verdict(target: Target) -> None:
+    mesh = target.mesh({"data": len(target.devices())})
+    limit = target.memory_limit(mesh)
+    too_big = jax.jit(lambda: jnp.zeros((2**38,), jnp.float32), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    if not is_tpu(target.platform):  # XLA:CPU (and XLA:GPU) states no verdict: memory is the runtime's to refuse
+        try:
+            too_big.lower().compile()
+        except Exception as e:  # noqa: BLE001 - whatever it raises, it is no verdict
+            assert out_of_memory(e) is None
+        return
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - the compiler's own error type
+        too_big.lower().compile()
+    verdict = out_of_memory(refused.value)
+    assert verdict is not None, f"no out-of-memory verdict in: {refused.value}"
+    required, available = verdict
+    assert available == limit and required > limit  # the memory the target states is the compiler's
 
 
 def test_a_target_measures_a_plan_as_it_says(target: Target) -> None:

@@ -11,13 +11,15 @@ import pytest
 
 import remat_search
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
-from remat_search.measure.executables import Executables, io_bytes, measure
+from remat_search.measure.executables import Executables, measure
+from remat_search.measure.program import io_bytes
 from remat_search.measure.measurement import Measurement
 from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig, parse_spec
 from remat_search.targets.step_time import CHIPS
-from remat_search.targets.base import TpuAotTarget, target_of
+from remat_search.targets.base import target_of
+from remat_search.targets.tpu import TpuAotTarget
 from remat_search.units import format_bytes
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict, write_spec

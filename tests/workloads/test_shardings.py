@@ -143,12 +143,12 @@ def test_bad_rules_or_attention_are_one_line_errors_and_nothing_is_written(
 def test_the_measurement_cache_keys_on_the_shardings() -> None:
     """The same workload on the same mesh sharded another way is another cache entry."""
     from remat_search.store.cache import cache_key
-    from remat_search.measure.runner import DeviceInfo, _sharding_digest
+    from remat_search.measure.device import DeviceInfo, sharding_digest
 
     workload = build_workload(LinenConfig.model_validate(LINEN))
     mesh = target_of(V5E).mesh(MESH)
-    digest = _sharding_digest(workload, mesh)
-    assert digest and _sharding_digest(workload, None) == ""
+    digest = sharding_digest(workload, mesh)
+    assert digest and sharding_digest(workload, None) == ""
     device = DeviceInfo(target="v5e:2x2", platform="tpu", device_kind="TPU v5 lite", device_count=4, mesh=MESH,
                         memory_limit=None, executes=False, jax_version="0", workload_fingerprint="w",
                         shardings="the model's own partitioning of its parameters", sharding_digest=digest)

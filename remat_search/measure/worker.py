@@ -1,0 +1,168 @@
+"""The worker process of a :class:`~remat_search.measure.runner.Runner`: it builds the
+workload and the target once, says what it runs on, then measures (or re-times) plan after
+plan as the runner asks, over the messages of :mod:`remat_search.measure.protocol`. A
+candidate that raises is a one-line failure (:func:`one_line`), never the worker's end; the
+worker ends with its parent (within :data:`PARENT_POLL_SECONDS`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from remat_search.errors import RunError, SpecError, WorkloadError
+from remat_search.measure import protocol
+from remat_search.measure.artifacts import ReferenceStore, reference_key
+from remat_search.measure.device import describe, reference_parts
+from remat_search.measure.executables import Executables, Known, measure, retime
+from remat_search.measure.measurement import RawMeasurement
+from remat_search.plans.plan import RematPlan
+from remat_search.spec.models import TargetConfig, WorkloadConfig
+from remat_search.targets.base import target_of
+
+PARENT_POLL_SECONDS = 0.25
+"""How often the worker checks that its parent, the search, is still alive."""
+MAX_REASON_CHARS = 400
+DEBUG_ENV = "REMAT_SEARCH_DEBUG"
+"""Set (to anything), the worker sends its own traceback with every failure."""
+
+
+def serve(
+    conn: Connection,
+    workload_config: WorkloadConfig,
+    where: tuple[TargetConfig, dict[str, int] | None],
+    compilation_cache: str | None,
+    parent_pid: int,
+    artifacts: str | None = None,
+) -> None:
+    """The worker's loop: build the workload once, then measure plan after plan."""
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the search, which stops the worker
+    # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Several workers may share a GPU (one plan on it at a time): none may take its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    target_config, mesh_axes = where
+    try:
+        import jax
+
+        from remat_search.workloads.base import build_workload, check_params_from
+        from remat_search.workloads.tracing import trace_step
+
+        if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
+            jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
+        if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
+            jax.config.update("jax_compilation_cache_dir", compilation_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+        workload = build_workload(workload_config)
+        target = target_of(target_config)
+        mesh = target.mesh(mesh_axes)
+        workload.use_mesh(mesh)  # before anything of it is traced (Workload.use_mesh)
+        check_params_from(workload)  # a checkpoint the model does not fit is a spec error, now
+        if mesh is not None:
+            workload.shardings(mesh)  # a batch the mesh cannot split is a spec error, now
+        traced = trace_step(workload)
+        info = describe(target, mesh, workload, traced)
+    except (SpecError, WorkloadError) as e:  # the spec's mesh or the model's partitioning, found with the mesh
+        conn.send(protocol.StartFailed("spec", str(e)))
+        return
+    except RunError as e:  # e.g. the target's compiler did not state its memory
+        conn.send(protocol.StartFailed("run", str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(protocol.StartFailed("other", _failure(e, line=False)))
+        return
+    conn.send(protocol.Ready(info.model_dump_json()))
+    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
+    # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
+    executables = Executables(workload, target=target, mesh=mesh, reference_store=store)
+    while True:
+        try:
+            request: protocol.Measure | protocol.Retime = conn.recv()
+        except EOFError:
+            return
+        try:
+            if isinstance(request, protocol.Retime):
+                plans = [RematPlan.model_validate_json(p) for p in request.plans]
+                times = retime(executables, plans, warmup=request.warmup, rounds=request.rounds, budget=request.budget)
+                conn.send(protocol.Done(json.dumps(times)))
+                continue
+            m = measure(
+                executables, RematPlan.model_validate_json(request.plan), budget=request.budget,
+                timing=request.timing, gradient_tolerance=request.gradient_tolerance,
+                known=_asker(conn) if request.ask else None,
+            )
+            conn.send(protocol.Done(m.model_dump_json()))
+        except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
+            conn.send(protocol.Failed(_failure(e)))
+
+
+def _asker(conn: Connection) -> Known:
+    """Ask the parent (see :meth:`Runner.measure`) for a measurement of a compiled program."""
+
+    def known(program: str) -> RawMeasurement | None:
+        conn.send(protocol.Program(program))
+        answer: protocol.Known = conn.recv()
+        return RawMeasurement.model_validate_json(answer.measurement) if answer.measurement is not None else None
+
+    return known
+
+
+def _cpu_only_host() -> bool:
+    """Whether JAX could find nothing here but the CPU: no GPU plugin is installed and no TPU
+    chip is attached (JAX's own PCI check). JAX would still load libtpu, where installed, to
+    look for TPUs, and libtpu prints TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings."""
+    import importlib.util
+
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+    except ImportError:  # moved in another JAX: let JAX look for itself
+        return False
+    plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
+    return not plugins and num_available_tpu_chips_and_device_id()[0] == 0
+
+
+def _failure(e: BaseException, *, line: bool = True) -> str:
+    """What the worker says of an exception, in one line: its type, message (see
+    :func:`one_line`) and (``line``) the line that raised it; with ``REMAT_SEARCH_DEBUG`` set,
+    the worker's whole traceback after that line."""
+    frames = traceback.extract_tb(e.__traceback__)
+    said = one_line(f"{type(e).__name__}: {e}")
+    if line and frames:
+        said += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+    if os.environ.get(DEBUG_ENV):
+        said += "\nworker traceback:\n" + "".join(traceback.format_exception(e)).rstrip()
+    return said
+
+
+def one_line(message: str) -> str:
+    """A failure's message as one line for tables and trial attributes. An error that carries
+    a Python traceback (XLA's, when a callback in the step raised) is told by its first line and
+    the exception the traceback ends with; other lines are dropped (``…`` says so); at most
+    :data:`MAX_REASON_CHARS` characters."""
+    lines = [text.strip() for text in message.strip().splitlines() if text.strip()]
+    if not lines:
+        return message.strip()
+    said = lines[0]
+    if len(lines) > 1:
+        marker = "Traceback (most recent call last):"
+        if marker in message:
+            said = f"{said.replace(marker, '').rstrip()} {lines[-1]}"
+        else:
+            said += " …"
+    return said if len(said) <= MAX_REASON_CHARS else said[: MAX_REASON_CHARS - 1] + "…"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End the worker when the search process is gone (e.g. killed with SIGKILL): the worker
+    is reparented then, so ``getppid`` changes; checked every :data:`PARENT_POLL_SECONDS`."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)

@@ -1,0 +1,97 @@
+"""A TPU topology (``v5e:2x4``, …) compiled ahead of time by the real TPU compiler in libtpu,
+on any host: memory is exact (the chip's HBM read from the compiler's out-of-memory report),
+nothing is allocated or executed, and a step's time is estimated
+(:mod:`remat_search.targets.step_time`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat_search.errors import RunError, SpecError
+from remat_search.spec.models import TpuTarget
+from remat_search.targets.base import Target, out_of_memory
+from remat_search.targets.mesh import make_mesh
+from remat_search.targets.step_time import CHIPS, StepEstimate, estimate_step
+
+
+class TpuAotTarget(Target):
+    """A TPU topology compiled ahead of time by libtpu, from any host: nothing executes, and
+    a step's time is estimated for the chip (:data:`step_time.CHIPS`)."""
+
+    executes = False
+
+    def __init__(self, config: TpuTarget) -> None:
+        self.topology = config.topology
+        generation = config.topology.split(":")[0]
+        if generation not in CHIPS:
+            raise SpecError(
+                f"spec.target.topology: unknown TPU generation in {config.topology!r}; "
+                f"expected one of {sorted(CHIPS)}, e.g. v5e:2x4"
+            )
+        self.chip = CHIPS[generation]
+        self._devices: list[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.topology
+
+    def devices(self) -> list[Any]:
+        if self._devices is None:
+            self._devices = _topology_devices(self.topology)
+        return self._devices
+
+    def mesh(self, axes: dict[str, int] | None) -> Any:
+        return make_mesh(self.devices(), axes)  # every chip of the topology, on data by default
+
+    def memory_limit(self, mesh: Any) -> int:
+        return probe_hbm(mesh)
+
+    def estimate(self, hlo: str, cost: dict[str, float]) -> StepEstimate:
+        return estimate_step(hlo, self.chip, cost)
+
+
+def _topology_devices(topology: str) -> list[Any]:
+    """A TPU topology's devices, from libtpu (none allocated)."""
+    try:
+        import libtpu  # noqa: F401 - only its presence matters here
+    except ImportError:
+        raise SpecError(
+            "spec.target: TPU targets need the TPU compiler (libtpu); "
+            "install it with: pip install 'remat-search[tpu]'"
+        ) from None
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    except Exception as e:  # noqa: BLE001 - libtpu says what is wrong with the name
+        first = str(e).strip().splitlines()[0]
+        raise SpecError(f"spec.target.topology: libtpu does not know {topology!r} ({first})") from None
+
+
+def probe_hbm(mesh: Any) -> int:
+    """Usable HBM per chip as the TPU compiler reports it, from a program too big for any chip
+    (see :func:`hbm_of`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    too_big = jax.jit(lambda: jnp.zeros((2**38,), jnp.float32), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    try:
+        too_big.lower().compile()
+    except Exception as e:  # noqa: BLE001 - judged by hbm_of: all but the out-of-memory report raise
+        return hbm_of(e)
+    return hbm_of(None)
+
+
+def hbm_of(error: BaseException | None) -> int:
+    """The HBM per chip that the compiler's out-of-memory ``error`` states it had. Any other
+    error, or none (the program compiled), raises :class:`RunError` with the reason: a memory
+    limit that cannot be read is no budget to search under."""
+    oom = out_of_memory(error) if error is not None else None
+    if oom is not None:
+        return oom[1]
+    if error is None:
+        reason = "a program of 1 TiB a chip compiled without running out of memory"
+    else:
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    raise RunError(f"target: the compiler did not state the memory of a chip ({reason})") from error

@@ -1,0 +1,50 @@
+"""Tracing a workload's no-remat step: a fingerprint of its program and the
+``checkpoint_name`` tags it emits (the names a ``names`` policy may keep)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from remat_search.plans.plan import RematPlan
+
+if TYPE_CHECKING:
+    from remat_search.workloads.base import Workload
+
+
+class TracedStep(NamedTuple):
+    """What tracing the no-remat training step tells of a workload."""
+
+    fingerprint: str
+    """A hash of its jaxpr: it changes when the model's code or the optimizer does, even at the
+    same shapes, so cached measurements of old code are not reused."""
+    names: frozenset[str] | None
+    """The ``checkpoint_name`` tags the step emits (a model's tags may depend on its
+    configuration); None where it does not trace."""
+
+
+def trace_step(workload: Workload) -> TracedStep:
+    """Trace ``workload``'s no-remat step (within its :meth:`Workload.tracing` context)."""
+    import jax
+
+    try:
+        with workload.tracing():
+            state, batch = workload.abstract_inputs()
+            jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
+    except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
+        return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
+    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))
+
+
+def traced_names(jaxpr: Any) -> frozenset[str]:
+    """The ``checkpoint_name`` tags (the ``name`` primitive) in ``jaxpr`` (a ClosedJaxpr or a
+    Jaxpr) and every jaxpr inside it (jit, scan, remat, cond)."""
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    found |= traced_names(sub)
+    return frozenset(found)
