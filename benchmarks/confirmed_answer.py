@@ -23,7 +23,7 @@ from pathlib import Path
 import optuna
 
 import remat_search
-from remat_search.spec.models import load_spec
+from remat_search.spec.loading import load_spec
 from remat_search.search.progress import Progress
 from remat_search.units import format_bytes, format_seconds
 

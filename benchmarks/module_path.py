@@ -118,7 +118,7 @@ def main() -> None:
     logging.getLogger("remat_search").setLevel(logging.ERROR)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-    from remat_search.spec.models import parse_spec
+    from remat_search.spec.loading import parse_spec
 
     rank = ranks()
     with tempfile.TemporaryDirectory() as tmp:

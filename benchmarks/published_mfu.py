@@ -42,7 +42,9 @@ from search_quality_tpu import fresh_storage, versions
 
 import remat_search
 from remat_search.plans.plan import RematPlan, scan_layers
-from remat_search.spec.models import TpuTarget, TransformerConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TpuTarget
+from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.base import target_of
 from remat_search.workloads.transformer import TransformerWorkload, _attention, _split_batch
 from remat_search.units import format_bytes

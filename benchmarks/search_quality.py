@@ -45,7 +45,8 @@ import remat_search
 from remat_search.search.confirm import compare_times
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import TimingConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -156,7 +157,7 @@ def main() -> None:
 
 
 def _no_remat_peak() -> int:
-    from remat_search.spec.models import TransformerConfig
+    from remat_search.spec.workloads import TransformerConfig
     from remat_search.workloads.transformer import TransformerWorkload
 
     workload = TransformerWorkload(TransformerConfig.model_validate(WORKLOAD))

@@ -52,7 +52,7 @@ from search_quality import (
 )
 
 import remat_search
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent

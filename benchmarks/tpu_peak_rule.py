@@ -35,7 +35,8 @@ from typing import Any
 
 from remat_search import RematPlan, build_workload
 from remat_search.measure.executables import Build, Executables
-from remat_search.spec.models import MlpConfig, NnxConfig, TpuTarget, TransformerConfig
+from remat_search.spec.models import TpuTarget
+from remat_search.spec.workloads import MlpConfig, NnxConfig, TransformerConfig
 from remat_search.targets.base import target_of
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from remat_search.search.confirm import Comparison, compare_times, confirm_study
     from remat_search.errors import (
         NoFeasiblePlan,
         RematSearchError,
@@ -24,20 +23,28 @@ if TYPE_CHECKING:
         StorageError,
         WorkloadError,
     )
-    from remat_search.targets.platform import compiler_options
     from remat_search.measure.measurement import Measurement, MemoryBreakdown
     from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
-    from remat_search.search.advice import Advice, plan_for_budget
-    from remat_search.search.cost_model import CostModel, fit_cost_model
-    from remat_search.search.solver import solve_front
-    from remat_search.plans.policy import POLICIES, LayerPolicy, PolicyKind, checkpoint_policy, register_policy
+    from remat_search.plans.policy import (
+        POLICIES,
+        LayerPolicy,
+        PolicyKind,
+        checkpoint_policy,
+        register_policy,
+    )
     from remat_search.report.queries import best_plan, list_studies, load_report, pareto_front
     from remat_search.report.results import StudyReport, TrialResult
+    from remat_search.search.advice import Advice, plan_for_budget
+    from remat_search.search.confirm import Comparison, compare_times, confirm_study
+    from remat_search.search.cost_model import CostModel, fit_cost_model
     from remat_search.search.loop import run
-    from remat_search.spec.models import SearchSpec, load_spec
+    from remat_search.search.solver import solve_front
     from remat_search.search.submission import Submitted, submit
-    from remat_search.units import parse_bytes
     from remat_search.service.worker import work
+    from remat_search.spec.loading import load_spec
+    from remat_search.spec.models import SearchSpec
+    from remat_search.targets.platform import compiler_options
+    from remat_search.units import parse_bytes
     from remat_search.workloads.base import Workload, build_workload
 
 _API: dict[str, str] = {
@@ -53,7 +60,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(('best_plan', 'list_studies', 'load_report', 'pareto_front'), "remat_search.report.queries"),
     **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.report.results"),
     **dict.fromkeys(('run',), "remat_search.search.loop"),
-    **dict.fromkeys(('SearchSpec', 'load_spec'), "remat_search.spec.models"),
+    **dict.fromkeys(('load_spec',), "remat_search.spec.loading"),
+    **dict.fromkeys(('SearchSpec',), "remat_search.spec.models"),
     **dict.fromkeys(('Submitted', 'submit'), "remat_search.search.submission"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),
     **dict.fromkeys(('work',), "remat_search.service.worker"),

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_search.workloads.mlp import MlpWorkload
 from remat_search.plans.plan import RematPlan, apply_layers
-from remat_search.spec.models import MlpConfig
+from remat_search.spec.workloads import MlpConfig
 from remat_search.workloads.base import PyTree
 
 TINY_MLP = MlpConfig(kind="mlp", layers=3, width=64, hidden=256, batch=128)

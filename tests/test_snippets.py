@@ -23,7 +23,7 @@ from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.pri
 
 import remat_search as rs
 from remat_search.plans.plan import segments
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from tests.conftest import REPO, spec_dict
 
 SNIPPETS = ["linen-unrolled", "linen-scanned", "nnx-unrolled", "nnx-scanned", "jax-unrolled", "jax-scanned"]
@@ -168,7 +168,7 @@ def test_a_real_study_s_best_json_is_best_plan_s_and_runs_in_a_snippet(
 def test_on_cpu_the_memory_optimised_scheduler_shows_remat_s_savings() -> None:
     """README: by default XLA's CPU scheduler keeps alive most of what full remat frees (the
     tiny transformer: 1% less than no remat), with ``rs.compiler_options("cpu")`` it does not (30%)."""
-    from remat_search.spec.models import TransformerConfig
+    from remat_search.spec.workloads import TransformerConfig
     from tests.conftest import TINY_TRANSFORMER
 
     workload = rs.build_workload(TransformerConfig.model_validate(TINY_TRANSFORMER))
@@ -185,7 +185,7 @@ def test_on_cpu_the_memory_optimised_scheduler_shows_remat_s_savings() -> None:
 
 
 def test_a_step_compiled_with_compiler_options_has_the_study_s_memory_to_the_byte(tmp_path: Path) -> None:
-    from remat_search.spec.models import MlpConfig
+    from remat_search.spec.workloads import MlpConfig
 
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     config = {"kind": "mlp", "layers": 4, "width": 16, "hidden": 32, "batch": 4}

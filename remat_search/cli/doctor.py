@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict
 from remat_search.errors import StorageError
 from remat_search.measure.device import installed_versions
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import HeartbeatConfig, MlpConfig
-from remat_search.targets.platform import is_cpu
+from remat_search.spec.models import HeartbeatConfig
+from remat_search.spec.workloads import MlpConfig
 from remat_search.store.cache import measurements
 from remat_search.store.liveness import orphaned
 from remat_search.store.storage import (
@@ -49,6 +49,7 @@ from remat_search.store.storage import (
     resolve_url,
     translate_errors,
 )
+from remat_search.targets.platform import is_cpu
 from remat_search.units import format_bytes
 
 Status = Literal["ok", "warn", "fail"]

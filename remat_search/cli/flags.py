@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from remat_search.errors import SpecError
-from remat_search.spec.models import STORAGE_ENV, check_study_name, default_storage
+from remat_search.spec.fields import check_study_name
+from remat_search.store.location import STORAGE_ENV, default_storage
 from remat_search.units import parse_bytes
 
 StorageOption = Annotated[

@@ -21,7 +21,7 @@ from remat_search.cli import flags, output
 from remat_search.cli.flags import RunStorageOption, SpecArgument, StorageOption, StudyOption
 from remat_search.errors import SpecError
 from remat_search.report.text import budget_line, running_text, trial_line
-from remat_search.spec.models import STORAGE_ENV
+from remat_search.store.location import STORAGE_ENV
 from remat_search.units import format_seconds, size_argument
 
 
@@ -50,7 +50,7 @@ def run(
     died is taken back after the heartbeat's grace period.
     """
     from remat_search.report.results import rank
-    from remat_search.spec.models import load_spec
+    from remat_search.spec.loading import load_spec
 
     loaded = load_spec(spec, storage=storage, workers=flags.workers(workers))
     _importable_from(spec)
@@ -142,7 +142,7 @@ def submit(spec: SpecArgument, storage: RunStorageOption = None) -> None:
     nothing but its settings (more trials, say); another study of that name is refused.
     """
     from remat_search.search.submission import submit as submit_study
-    from remat_search.spec.models import load_spec
+    from remat_search.spec.loading import load_spec
 
     output.quiet_optuna()
     loaded = load_spec(spec, storage=storage)

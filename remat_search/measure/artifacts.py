@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ARTIFACTS = "artifacts"
-"""The folder of the storage home (``spec.storage_home``) that holds each study's artifacts."""
+"""The folder of the storage home (``store.location.storage_home``) that holds each study's artifacts."""
 
 
 def reference_key(parts: dict[str, Any]) -> str:

@@ -40,7 +40,8 @@ from remat_search.measure.executables import Known
 from remat_search.measure.measurement import Measurement
 from remat_search.measure.worker import DEBUG_ENV, serve
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import TargetConfig, TimingConfig, WorkloadConfig
+from remat_search.spec.models import TargetConfig, TimingConfig
+from remat_search.spec.workloads import WorkloadConfig
 from remat_search.units import format_bytes
 
 STARTUP_TIMEOUT = 300.0

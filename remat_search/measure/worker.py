@@ -23,7 +23,8 @@ from remat_search.measure.device import describe, reference_parts
 from remat_search.measure.executables import Executables, Known, measure, retime
 from remat_search.measure.measurement import RawMeasurement
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import TargetConfig, WorkloadConfig
+from remat_search.spec.models import TargetConfig
+from remat_search.spec.workloads import WorkloadConfig
 from remat_search.targets.base import target_of
 
 PARENT_POLL_SECONDS = 0.25

@@ -22,7 +22,8 @@ from remat_search.report.results import TrialResult
 from remat_search.report.stored import StoredStudy, open_study
 from remat_search.search.cost_model import CostModel, Prediction, cost_model
 from remat_search.search.space import Space
-from remat_search.spec.models import SpaceConfig, describe_validation_error
+from remat_search.spec.loading import describe_validation_error
+from remat_search.spec.models import SpaceConfig
 from remat_search.store.storage import LAYERS_ATTR
 from remat_search.units import format_bytes, format_seconds
 

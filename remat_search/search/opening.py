@@ -24,8 +24,8 @@ import optuna
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
 from remat_search.report.stored import open_study
-from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.runners import resolve_budget
+from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
 from remat_search.search.study import (
     SETTINGS_ATTR,
@@ -37,10 +37,18 @@ from remat_search.search.study import (
     settings_of,
     stored_spec,
 )
-from remat_search.spec.models import SearchSpec, TransformerConfig
+from remat_search.spec.models import SearchSpec
+from remat_search.spec.workloads import TransformerConfig
 from remat_search.store import cache
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
-from remat_search.store.storage import LAYERS_ATTR, QUEUED_ATTR, SPEC_ATTR, check_storage, open_storage, translate_errors
+from remat_search.store.storage import (
+    LAYERS_ATTR,
+    QUEUED_ATTR,
+    SPEC_ATTR,
+    check_storage,
+    open_storage,
+    translate_errors,
+)
 from remat_search.targets.platform import offloads_to_host
 from remat_search.workloads.base import build_workload
 

@@ -15,7 +15,8 @@ from remat_search.errors import SpecError
 from remat_search.measure.artifacts import ARTIFACTS
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import SearchSpec, storage_home
+from remat_search.spec.models import SearchSpec
+from remat_search.store.location import storage_home
 from remat_search.units import format_bytes
 
 WORKER_HOST_MEMORY = 4 * 2**30

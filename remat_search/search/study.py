@@ -20,7 +20,8 @@ from pydantic import TypeAdapter
 
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
-from remat_search.spec.models import SearchSpec, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import SearchSpec
 from remat_search.store.liveness import finished_trials
 from remat_search.store.storage import SPEC_ATTR
 from remat_search.units import size_argument

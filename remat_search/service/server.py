@@ -36,7 +36,8 @@ from remat_search.report.results import TrialResult
 from remat_search.report.stored import open_study
 from remat_search.report.text import front_json, no_trial_text, untimed_text
 from remat_search.service.page import render_page
-from remat_search.spec.models import check_study_name, parse_spec
+from remat_search.spec.fields import check_study_name
+from remat_search.spec.loading import parse_spec
 from remat_search.store.storage import resolve_url, shown_url
 from remat_search.units import format_bytes
 
@@ -168,7 +169,9 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
                 f"{shown_url(str(data['storage']))}; leave storage out of the spec"
             )
         spec = parse_spec({**data, "storage": url})
-        from remat_search.search.submission import submit  # JAX and optuna load with the first write, not at start
+        from remat_search.search.submission import (
+            submit,  # JAX and optuna load with the first write, not at start
+        )
 
         done = await run_in_threadpool(submit, spec)
         return SubmitAnswer(study=done.study, done=done.done, total=done.total, created=done.created)

@@ -8,17 +8,9 @@ names the field.
 
 from __future__ import annotations
 
-import difflib
-import os
-import re
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     ModelWrapValidatorHandler,
@@ -26,266 +18,27 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
-    SerializerFunctionWrapHandler,
     Tag,
-    ValidationError,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
-from remat_search.errors import SpecError
 from remat_search.plans.policy import POLICIES, LayerPolicy
-from remat_search.targets.platform import is_gpu, is_tpu
+from remat_search.spec.fields import Frozen, check_study_name, matching
+from remat_search.spec.workloads import (
+    LinenConfig,
+    MeshAxis,
+    NnxConfig,
+    TransformerConfig,
+    WorkloadConfig,
+    axis_name,
+)
+from remat_search.store.location import default_storage
 from remat_search.units import Bytes, Seconds
 
-STORAGE_ENV = "REMAT_SEARCH_STORAGE"
-HOME_ENV = "REMAT_SEARCH_HOME"
-STUDY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 
-
-def storage_home() -> Path:
-    """Where studies and caches live by default, whatever the working directory:
-    ``$REMAT_SEARCH_HOME``; else the ``storage/`` folder of the source checkout remat-search
-    runs from (``pip install -e .``); else ``~/.local/share/remat-search``."""
-    if os.environ.get(HOME_ENV):
-        return Path(os.environ[HOME_ENV]).expanduser().resolve()
-    checkout = Path(__file__).resolve().parents[2]  # remat_search/spec/models.py
-    if (checkout / "pyproject.toml").is_file() and (checkout / "storage").is_dir():
-        return checkout / "storage"
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "remat-search"
-
-
-def default_storage() -> str:
-    """The default storage URL: ``studies.db`` in :func:`storage_home`."""
-    return f"sqlite:///{storage_home() / 'studies.db'}"
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class _WorkloadConfig(_Frozen):
-    """What every kind of workload may take besides its own fields."""
-
-    params_from: str | None = None
-    """The folder of an Orbax checkpoint of the model's parameters: their shapes, dtypes and,
-    where stored, shardings are read from its metadata (never its arrays) and replace the
-    model's own (see ``checkpoint_params.py``). Relative to the spec's folder in a spec file."""
-
-    @field_validator("params_from")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        """Kept absolute: a study's workers may start from another working directory."""
-        return None if value is None else os.path.abspath(os.path.expanduser(value))
-
-    @model_serializer(mode="wrap")
-    def _without_unset_params_from(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No ``params_from: null``: a study stored before the field existed keeps its identity."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("params_from") is None:
-            data.pop("params_from", None)
-        return data
-
-
-class TransformerConfig(_WorkloadConfig):
-    """The built-in Flax decoder LM trained with AdamW (see ``transformer.py``)."""
-
-    kind: Literal["transformer"]
-    layers: PositiveInt
-    d_model: PositiveInt
-    heads: PositiveInt
-    d_ff: PositiveInt
-    seq_len: PositiveInt
-    batch: PositiveInt
-    vocab: PositiveInt
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameters and activations (bf16 as real TPU runs use; the loss is taken in f32)."""
-    scan: bool = False
-    """Stack the layers' parameters (leading axis = layers) and run them with ``lax.scan``:
-    one scan per run of equal policies ("segments"), so compile time stays about constant in
-    depth. Nested plans cannot be scanned."""
-    attention: Literal["auto", "dense", "flash"] = "auto"
-    """``dense``: the scores ``[batch, heads, seq, seq]`` computed and kept as tensors, as a
-    plain implementation does. ``flash``: fused attention that keeps no ``seq × seq`` matrix,
-    as real runs use: the Pallas TPU flash-attention kernel on a TPU target (per shard of the
-    batch, in ``shard_map``), ``jax.nn.dot_product_attention`` elsewhere (cuDNN's fused
-    kernel on a GPU where it applies, XLA's composition on a CPU). ``auto`` (the default):
-    ``flash`` where it compiles and keeps no score matrix, else ``dense``, decided where the
-    workload is built for its target (:func:`resolved_attention`)."""
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> TransformerConfig:
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
-        return self
-
-
-FLASH_BLOCK = 128
-"""The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
-
-
-def flash_tiles(config: TransformerConfig) -> bool:
-    """Whether the Pallas TPU kernel can tile ``config``'s sequence (whole 128-token blocks)."""
-    return config.seq_len % FLASH_BLOCK == 0
-
-
-def resolved_attention(config: TransformerConfig, platform: str) -> Literal["dense", "flash"]:
-    """The attention ``config`` runs with on a ``platform`` (a JAX device's: ``tpu``, ``gpu``,
-    ``cpu``): as written unless ``auto``, which is ``flash`` on a TPU where the Pallas kernel
-    tiles the sequence and on a GPU, else ``dense``. Not on a CPU: there XLA's
-    ``dot_product_attention`` keeps the scores too, and its peak was not reliably lower."""
-    if config.attention != "auto":
-        return config.attention
-    if is_tpu(platform):
-        return "flash" if flash_tiles(config) else "dense"
-    return "flash" if is_gpu(platform) else "dense"
-
-
-class MlpConfig(_WorkloadConfig):
-    """The built-in chain of dense → gelu → dense blocks trained with AdamW."""
-
-    kind: Literal["mlp"]
-    layers: PositiveInt
-    width: PositiveInt
-    hidden: PositiveInt
-    batch: PositiveInt
-
-
-class FactoryConfig(_WorkloadConfig):
-    """A user workload: ``factory: "package.module:function"``, called with ``args``."""
-
-    factory: str
-    args: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("factory")
-    @classmethod
-    def _import_path(cls, value: str) -> str:
-        return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:function'")
-
-
-def _import_path(value: str | None) -> str | None:
-    """``value`` if it is an import path ``package.module:Name`` (``Name`` may be dotted), or None."""
-    if value is None:
-        return None
-    return _matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
-
-
-def _axis_name(value: str) -> str:
-    return _matching(value, r"[A-Za-z_]\w*", "a mesh axis name of letters, digits and '_' such as fsdp")
-
-
-MeshAxis = Annotated[str, AfterValidator(_axis_name)]
-"""A mesh axis: any name (MaxText's rules name 12: ``stage``, ``context``, ``tensor_transpose``, …);
-one the mesh does not list is there at size 1."""
-MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
-"""The axes the built-in workloads know (the batch over ``data`` and ``fsdp``, the state over
-``fsdp``), in the order a mesh lays them out, first (MaxText's order of them); other axes follow
-in the order the spec writes them."""
-AxisRules = tuple[tuple[str, MeshAxis | tuple[MeshAxis, ...] | None], ...]
-"""Logical axis rules, Flax's form: ``[[logical name, mesh axis (or a list of them, or null)], ...]``,
-e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's logical names
-(``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto mesh axes; an axis that
-``spec.mesh`` does not list is at size 1 (not split over)."""
-
-
-class NnxConfig(_WorkloadConfig):
-    """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
-    returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
-
-    kind: Literal["nnx"]
-    model: str
-    """``"package.module:Name"``: the model class, or a function returning the model."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """The constructor's keyword arguments."""
-    blocks: str = "blocks"
-    """The attribute (a dotted path: ``decoder.layers``) holding the list of blocks the
-    model's ``__call__`` runs; each is checkpointed by its layer's policy."""
-    batch: PositiveInt
-    seq_len: PositiveInt
-    vocab: PositiveInt
-    """The default loss: next-token cross-entropy of ``model(tokens)``'s logits on random
-    int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
-    loss: str | None = None
-    """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
-    logical_axis_rules: AxisRules | None = None
-    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
-    mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
-
-    _import_paths = field_validator("model", "loss")(lambda value: _import_path(value))
-
-    @field_validator("blocks")
-    @classmethod
-    def _attribute_path(cls, value: str) -> str:
-        return _matching(value, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an attribute name or a dotted path such as 'decoder.layers'")
-
-
-class LinenConfig(_WorkloadConfig):
-    """A user's Flax linen model, searched with no ``Workload`` subclass (``linen_workload.py``).
-
-    ``model`` (a ``nn.Module`` class, or a function returning a module) is called with
-    ``args``; the module maps int32 tokens ``[batch, seq_len]`` to logits
-    ``[batch, seq_len, vocab]``. Its layers are the calls of ``block`` (the class of the
-    model's blocks) or of the submodules that ``blocks`` names (the attribute ``blocks`` of a
-    list made in ``setup`` gives ``blocks_0``, ``blocks_1``, …): layer ``i`` is the ``i``-th
-    such call in one forward pass, checkpointed with the plan's policy for ``i``."""
-
-    kind: Literal["linen"]
-    model: str
-    args: dict[str, Any] = Field(default_factory=dict)
-    block: str | None = None
-    blocks: str | None = None
-    batch: PositiveInt
-    seq_len: PositiveInt
-    vocab: PositiveInt
-    loss: str | None = None
-    """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
-    next-token cross-entropy of the logits on the tokens."""
-    logical_axis_rules: AxisRules | None = None
-    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
-    mesh, its parameters are sharded as its ``nn.with_logical_partitioning`` metadata says,
-    by these rules, and they are in force while its step is traced (``nn.logical_axis_rules``)."""
-
-    _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
-
-    @field_validator("blocks")
-    @classmethod
-    def _attribute(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        return _matching(value, r"[A-Za-z_]\w*", "a submodule or attribute name such as 'blocks'")
-
-    @model_validator(mode="after")
-    def _layers_named(self) -> LinenConfig:
-        if self.block is None and self.blocks is None:
-            raise ValueError("name the model's layers: block: 'package.module:Block' or blocks: ATTRIBUTE")
-        return self
-
-
-def _workload_tag(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return "factory" if "factory" in value else value.get("kind")
-    if isinstance(value, BaseModel):
-        return "factory" if isinstance(value, FactoryConfig) else getattr(value, "kind", None)
-    return None
-
-
-WorkloadConfig = Annotated[
-    Annotated[TransformerConfig, Tag("transformer")]
-    | Annotated[MlpConfig, Tag("mlp")]
-    | Annotated[NnxConfig, Tag("nnx")]
-    | Annotated[LinenConfig, Tag("linen")]
-    | Annotated[FactoryConfig, Tag("factory")],
-    Discriminator(
-        _workload_tag,
-        custom_error_type="workload_kind",
-        custom_error_message="expected kind: transformer, mlp, nnx or linen, or factory: 'package.module:function'",
-    ),
-]
-
-
-class PolicyChoice(_Frozen):
+class PolicyChoice(Frozen):
     """One policy the space may give a layer, with the label studies and reports use.
 
     Written in YAML as a bare policy (``full``), as ``{label: save_qkv, names: [...]}`` or
@@ -325,7 +78,7 @@ class PolicyChoice(_Frozen):
         return value
 
 
-class SpaceConfig(_Frozen):
+class SpaceConfig(Frozen):
     """The plans a study may propose: a layout and a finite list of policy choices."""
 
     layout: Literal["uniform", "per_layer", "segments"] = "per_layer"
@@ -368,7 +121,7 @@ class SpaceConfig(_Frozen):
         return next(c.policy for c in self.choices if c.label == label)
 
 
-class SamplerConfig(_Frozen):
+class SamplerConfig(Frozen):
     """Which optuna sampler proposes plans (constraint-aware ones learn from the budget)."""
 
     kind: str = "planner"
@@ -379,7 +132,7 @@ class SamplerConfig(_Frozen):
     """0 to 2**32 − 1, as numpy's generators take (null: a different search each run)."""
 
 
-class TpuTarget(_Frozen):
+class TpuTarget(Frozen):
     """A TPU slice compiled ahead of time with the real TPU compiler (libtpu), from any host."""
 
     platform: Literal["tpu"]
@@ -388,7 +141,7 @@ class TpuTarget(_Frozen):
     @field_validator("topology")
     @classmethod
     def _topology_name(cls, value: str) -> str:
-        return _matching(value, r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", "a TPU topology such as v5e:2x4 or v5p:2x2x1")
+        return matching(value, r"v[0-9][a-z]*:[0-9]+(x[0-9]+)*", "a TPU topology such as v5e:2x4 or v5p:2x2x1")
 
 
 def target_kind(value: Any) -> str | None:
@@ -411,7 +164,7 @@ TargetConfig = Annotated[
 
 
 
-class TimingConfig(_Frozen):
+class TimingConfig(Frozen):
     """How a candidate that fits is timed, and how long it may take in all."""
 
     warmup: NonNegativeInt = 2
@@ -424,7 +177,7 @@ class TimingConfig(_Frozen):
     accelerator can turn it off."""
 
 
-class ConfirmConfig(_Frozen):
+class ConfirmConfig(Frozen):
     """How a search ends: its ``top`` fastest plans that fit, re-timed interleaved ``rounds``
     times, racing until the plan that ranks first at the budget is one of them (``top: 0``
     skips it; compile-only targets never run it)."""
@@ -449,7 +202,7 @@ class ConfirmConfig(_Frozen):
         return top
 
 
-class HeartbeatConfig(_Frozen):
+class HeartbeatConfig(Frozen):
     """How a study shared by several processes or hosts finds a trial whose process died:
     each search records a heartbeat of its running trials every ``interval`` seconds, and a
     running trial with none for ``grace`` seconds is failed and its plan queued again (by
@@ -469,7 +222,7 @@ class HeartbeatConfig(_Frozen):
 Workers = PositiveInt | Literal["auto"]
 
 
-class SearchSpec(_Frozen):
+class SearchSpec(Frozen):
     """Everything one study needs. See ``search_spaces/demo.yaml`` for an example."""
 
     study: str
@@ -538,12 +291,12 @@ class SearchSpec(_Frozen):
 
     @field_validator("mesh", mode="before")
     @classmethod
-    def _axis_names(cls, value: Any) -> Any:
+    def axis_names(cls, value: Any) -> Any:
         """A bad axis name told as ``spec.mesh: …``, not at a key's inner location."""
         for axis in value if isinstance(value, dict) else ():
             if not isinstance(axis, str):
                 raise ValueError(f"expected a mesh axis name such as fsdp, got {axis!r}")
-            _axis_name(axis)
+            axis_name(axis)
         return value
 
     @model_validator(mode="after")
@@ -557,123 +310,3 @@ class SearchSpec(_Frozen):
         if self.space.nested and isinstance(self.workload, LinenConfig):
             raise ValueError("space.nested: a linen model's layers cannot be nested; set nested: false")
         return self
-
-
-def check_study_name(value: str) -> str:
-    """Return ``value`` if it is a usable study name, else raise :class:`ValueError`."""
-    return _matching(
-        value, STUDY_NAME_PATTERN,
-        "a study name of letters, digits, '.', '_' or '-' (starting with a letter or digit, at most 128)",
-    )
-
-
-def _matching(value: str, pattern: str, expected: str) -> str:
-    if not re.fullmatch(pattern, value):
-        raise ValueError(f"expected {expected}, got {value!r}")
-    return value
-
-
-def load_spec(
-    path: str | os.PathLike[str], *, storage: str | None = None, workers: int | str | None = None
-) -> SearchSpec:
-    """Read and check a YAML spec; ``storage`` (from ``--storage`` or the environment) and
-    ``workers`` (``--workers``) win over the spec's."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise SpecError(f"spec: cannot read {str(path)!r} ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise SpecError(f"spec: {str(path)!r} is not valid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"spec: {str(path)!r} must be a YAML mapping of fields, got {type(data).__name__}")
-    workload = data.get("workload")
-    if isinstance(workload, dict) and isinstance(workload.get("params_from"), str):
-        data["workload"] = {**workload, "params_from": str(path.parent / os.path.expanduser(workload["params_from"]))}
-    storage = storage or os.environ.get(STORAGE_ENV)
-    if storage:
-        data["storage"] = storage
-    if workers is not None:
-        data["workers"] = workers
-    return parse_spec(data)
-
-
-def parse_spec(data: dict[str, Any]) -> SearchSpec:
-    """Validate a spec given as a mapping, with the same one-line errors as :func:`load_spec`."""
-    try:
-        return SearchSpec.model_validate(data)
-    except ValidationError as e:
-        raise SpecError(describe_validation_error(e, prefix="spec", model=SearchSpec)) from None
-
-
-def describe_validation_error(
-    e: ValidationError, *, prefix: str, model: type[BaseModel] | None = None
-) -> str:
-    """One line for a pydantic error: the first field's path, message and bad value.
-
-    An unknown key comes first, with the nearest field of ``model`` at its level if one is
-    near (a misspelled key also makes the field it meant "missing": that error is its echo)."""
-    errors = e.errors(include_url=False)
-    hints: dict[tuple, str] = {}  # unknown key's location → the hint
-    meant = set()  # locations of the fields the unknown keys stand for
-    for err in errors:
-        if err["type"] == "extra_forbidden" and model is not None:
-            *parent, key = err["loc"]
-            known = _keys_at(model, parent)
-            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-            hints[err["loc"]] = (
-                f"; did you mean {near[0]!r}?" if near else f"; expected one of: {', '.join(known)}" if known else ""
-            )
-            meant.update((*parent, n) for n in near)
-    # A misspelled key also makes the field it meant "missing": the same mistake, told once.
-    errors = [err for err in errors if not (err["type"] == "missing" and err["loc"] in meant)]
-    first = next((err for err in errors if err["type"] == "extra_forbidden"), errors[0])
-    hint = hints.get(first["loc"], "")
-    # Errors on an ancestor of the first field are consequences of it (e.g. an empty list).
-    others = [err for err in errors if err is not first and err["loc"] != first["loc"][: len(err["loc"])]]
-    loc = ".".join(
-        str(p) if str(p).isprintable() else repr(str(p))  # a key "a\nb" must not break the line
-        for i, p in enumerate(first["loc"])
-        if not (i == 1 and first["loc"][0] in ("workload", "target") and p in _TAGS)
-        and not str(p).startswith("function-")
-    )
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown key" + hint
-    elif first["type"] == "missing":
-        message = "required field missing"
-    elif "input" in first and not isinstance(first["input"], (dict, list)) and "got" not in message and repr(first["input"]) not in message:
-        message += f" (got {first['input']!r})"
-    more = f" (and {len(others)} more)" if others else ""
-    return f"{prefix}.{loc}: {message}{more}" if loc else f"{prefix}: {message}{more}"
-
-
-def _keys_at(model: type[BaseModel], path: list[Any]) -> list[str]:
-    """The field names of the model(s) found at ``path`` (an error's location) under ``model``:
-    a field name goes into its type, a list index stays, a union's tag (``transformer``)
-    picks that member."""
-    models: list[tuple[str | None, type[BaseModel]]] = [(None, model)]
-    for part in path:
-        tagged = [(tag, m) for tag, m in models if tag == part]
-        if tagged or isinstance(part, int):
-            models = tagged or models
-            continue
-        models = [tm for _, m in models if part in m.model_fields for tm in _models_in(m.model_fields[part].annotation)]
-    return list(dict.fromkeys(name for _, m in models for name in m.model_fields))
-
-
-def _models_in(annotation: Any, tag: str | None = None) -> list[tuple[str | None, type[BaseModel]]]:
-    """The pydantic models inside a type (``X | None``, ``tuple[X, ...]``, a tagged union), with their tags."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [(tag, annotation)]
-    args = get_args(annotation)
-    if get_origin(annotation) is Annotated:
-        tag = next((m.tag for m in args[1:] if isinstance(m, Tag)), tag)
-        args = args[:1]
-    return [found for arg in args for found in _models_in(arg, tag)]
-
-
-_TAGS = ("transformer", "mlp", "nnx", "linen", "factory", "tpu", "local")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from remat_search.errors import StorageError
-from remat_search.spec.models import HOME_ENV, STORAGE_ENV, default_storage, storage_home
+from remat_search.store.location import HOME_ENV, STORAGE_ENV, default_storage, storage_home
 
 if TYPE_CHECKING:
     import optuna

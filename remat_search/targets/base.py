@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from remat_search.errors import SpecError
-from remat_search.spec.models import TargetConfig, storage_home, target_kind
+from remat_search.spec.models import TargetConfig, target_kind
+from remat_search.store.location import storage_home
 from remat_search.targets.platform import is_tpu
 from remat_search.targets.step_time import StepEstimate
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from remat_search.errors import SpecError
-from remat_search.spec.models import MESH_AXES
+from remat_search.spec.workloads import MESH_AXES
 
 
 def make_mesh(devices: list[Any], axes: dict[str, int] | None) -> Any:

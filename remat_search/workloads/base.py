@@ -23,11 +23,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import FactoryConfig, WorkloadConfig
+from remat_search.spec.workloads import FactoryConfig, WorkloadConfig
+from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.workloads.sharding import own_shardings, split_batch_over
 
 if TYPE_CHECKING:

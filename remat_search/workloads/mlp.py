@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_search.plans.plan import RematPlan, apply_layers
-from remat_search.spec.models import MlpConfig
+from remat_search.spec.workloads import MlpConfig
 from remat_search.workloads.base import PyTree, Workload
 
 

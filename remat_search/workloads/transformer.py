@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_search.errors import SpecError
 from remat_search.plans.plan import RematPlan, apply_layers, scan_layers
-from remat_search.spec.models import FLASH_BLOCK, TransformerConfig, flash_tiles, resolved_attention
+from remat_search.spec.workloads import FLASH_BLOCK, TransformerConfig, flash_tiles, resolved_attention
 from remat_search.targets.platform import is_tpu
 from remat_search.workloads.base import PyTree, Workload
 from remat_search.workloads.sharding import split_batch_over

@@ -15,7 +15,9 @@ from remat_search.measure.executables import Executables, gradient_error, measur
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
-from remat_search.spec.models import TimingConfig, TransformerConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
+from remat_search.spec.workloads import TransformerConfig
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict
 from tests.factories import miscomputing, recording

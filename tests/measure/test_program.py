@@ -14,7 +14,9 @@ from remat_search.store import cache
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.program import program_digest
 from remat_search.measure.device import DeviceInfo
-from remat_search.spec.models import TimingConfig, TransformerConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
+from remat_search.spec.workloads import TransformerConfig
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict
 from tests.factories import TINY_MLP, over_declared, recording

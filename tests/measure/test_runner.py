@@ -6,7 +6,8 @@ import pytest
 
 from remat_search import RematPlan
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import TimingConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
 
 from tests.conftest import spec_dict
 

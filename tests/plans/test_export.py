@@ -12,7 +12,7 @@ import remat_search
 from remat_search import LayerPolicy, RematPlan
 from remat_search.errors import SpecError
 from remat_search.plans.export import MAXTEXT_NAMES, export, maxtext
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from tests.conftest import spec_dict
 
 
@@ -93,7 +93,7 @@ def test_best_plan_refuses_a_study_measured_with_another_jax_device_or_workload(
 
     import optuna
 
-    from remat_search.spec.models import MlpConfig, TransformerConfig
+    from remat_search.spec.workloads import MlpConfig, TransformerConfig
     from remat_search.workloads.base import build_workload
     from tests.conftest import TINY_TRANSFORMER
 

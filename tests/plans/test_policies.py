@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_search
 from remat_search import POLICIES, LayerPolicy, PolicyKind, RematPlan, register_policy
-from remat_search.spec.models import PolicyChoice, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import PolicyChoice
 
 NAMES = ("mlpwi",)
 WRITTEN: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -187,7 +188,7 @@ def test_the_plans_written_before_per_name_and_function_keep_their_text_and_dige
 def test_the_softmax_policy_saves_the_attention_probabilities_only() -> None:
     """``tests.policies:save_softmax`` in a block of the built-in transformer: by JAX's own
     account the one tensor it saves is softmax's output, batch × heads × queries × keys."""
-    from remat_search.spec.models import TransformerConfig
+    from remat_search.spec.workloads import TransformerConfig
     from remat_search.workloads.transformer import Block
 
     config = TransformerConfig(kind="transformer", layers=1, d_model=32, heads=2, d_ff=64, seq_len=8, batch=2, vocab=16)

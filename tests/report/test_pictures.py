@@ -17,7 +17,7 @@ from matplotlib.image import imread
 import remat_search
 from remat_search.report import pictures
 from remat_search.report.results import StudyReport, TrialResult
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict
 

@@ -9,7 +9,7 @@ import pytest
 
 from remat_search.report import text
 from remat_search.report.queries import StudySummary
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 
 from tests.conftest import spec_dict
 

@@ -21,7 +21,7 @@ import remat_search
 from remat_search.store import cache
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.store.storage import open_storage
 
 from tests.conftest import run_process, spec_dict

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import MlpConfig, TimingConfig
+from remat_search.spec.models import TimingConfig
+from remat_search.spec.workloads import MlpConfig
 
 from tests.chaos import WORKLOAD, chaos
 

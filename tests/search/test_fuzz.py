@@ -34,7 +34,7 @@ from remat_search.cli import output
 from remat_search.cli.app import app
 from remat_search.errors import SpecError
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import STUDY_NAME_PATTERN
+from remat_search.spec.fields import STUDY_NAME_PATTERN
 
 from tests.conftest import write_spec
 

@@ -7,7 +7,7 @@ import pytest
 
 import remat_search
 from remat_search import SpecError
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 
 from tests.conftest import spec_dict
 

@@ -12,7 +12,8 @@ import remat_search
 from remat_search.errors import SpecError
 from remat_search.search.samplers import SAMPLERS, Sampler, check_sampler, make_sampler, register
 from remat_search.search.space import Space
-from remat_search.spec.models import SamplerConfig, SpaceConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import SamplerConfig, SpaceConfig
 
 from tests.conftest import spec_dict
 

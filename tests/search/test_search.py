@@ -18,7 +18,8 @@ from optuna.trial import TrialState
 import remat_search
 from remat_search import RematPlan, SpecError
 from remat_search.measure.executables import Executables, measure
-from remat_search.spec.models import TimingConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
 from remat_search.store.storage import SPEC_ATTR
 from remat_search.search.progress import Progress
 from remat_search.search.study import spec_of_study

@@ -204,7 +204,7 @@ def test_dockerfile_builds_from_slim_python_with_the_cli_as_entrypoint() -> None
 def test_the_storage_home_is_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
     """The image installs the package (not editable), so its storage home comes from
     ``$REMAT_SEARCH_HOME``, which must be the volume."""
-    from remat_search.spec.models import HOME_ENV, storage_home
+    from remat_search.store.location import HOME_ENV, storage_home
 
     env = dict(zip(only("ENV").value[::2], only("ENV").value[1::2], strict=True))
     assert only("VOLUME").value == (env[HOME_ENV],) == ("/app/storage",)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import remat_search
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.report.stored import open_study
 from remat_search.units import format_bytes, format_seconds
 

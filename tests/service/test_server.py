@@ -18,7 +18,7 @@ import remat_search
 from remat_search.plans.plan import RematPlan
 from remat_search.report.queries import list_studies
 from remat_search.report.results import TrialResult
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.report.stored import open_study
 
 from tests.conftest import REPO, spec_dict

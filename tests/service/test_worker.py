@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search import submit
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.search.opening import METRIC_NAMES
 from remat_search.search.study import spec_of_submitted
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec

@@ -19,7 +19,7 @@ from remat_search.errors import StorageError
 from remat_search.store.liveness import counts
 from remat_search.report.results import trial_result
 from remat_search.search.loop import run
-from remat_search.spec.models import parse_spec
+from remat_search.spec.loading import parse_spec
 from remat_search.store.storage import HOST_ATTR, PID_ATTR, PLAN_ATTR, open_storage
 
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec

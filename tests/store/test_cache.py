@@ -19,7 +19,8 @@ from remat_search.measure.executables import KEPT_EXECUTABLES, Executables, anch
 from remat_search.measure.measurement import MEASUREMENT_SCHEMA, Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import TimingConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig
 from remat_search.units import format_seconds
 
 from tests.conftest import spec_dict

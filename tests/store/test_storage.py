@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from remat_search.spec.models import default_storage, storage_home
+from remat_search.store.location import default_storage, storage_home
 
 from tests.conftest import REPO, spec_dict, write_spec
 

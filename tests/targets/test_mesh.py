@@ -18,7 +18,8 @@ import remat_search
 from remat_search import MemoryBreakdown, RematPlan, build_workload
 from remat_search.store.cache import cache_key
 from remat_search.measure.device import DeviceInfo
-from remat_search.spec.models import TpuTarget, TransformerConfig
+from remat_search.spec.models import TpuTarget
+from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.base import target_of
 from remat_search.targets.mesh import device_order, make_mesh
 

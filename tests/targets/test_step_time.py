@@ -12,7 +12,8 @@ from remat_search.measure.measurement import Measurement
 from remat_search.report.text import describe_trial, time_models_note
 from remat_search.plans.plan import RematPlan
 from remat_search.report.results import TrialResult
-from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.step_time import CHIPS, Chip, estimate_step
 from remat_search.targets.base import target_of
 from remat_search.workloads.base import build_workload

@@ -18,7 +18,8 @@ from remat_search.store import cache
 from remat_search.measure.executables import Executables, anchor_plan, measure
 from remat_search.measure.measurement import judge
 from remat_search.workloads.mlp import MlpWorkload
-from remat_search.spec.models import MlpConfig, TimingConfig, TpuTarget, target_kind
+from remat_search.spec.models import TimingConfig, TpuTarget, target_kind
+from remat_search.spec.workloads import MlpConfig
 from remat_search.targets.base import TARGETS, Target, out_of_memory, target_class, target_of
 from remat_search.targets.local import LocalTarget
 from remat_search.targets.platform import is_cpu, is_tpu

@@ -16,7 +16,9 @@ from remat_search.measure.program import io_bytes
 from remat_search.measure.measurement import Measurement
 from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
-from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.step_time import CHIPS
 from remat_search.targets.base import target_of
 from remat_search.targets.tpu import TpuAotTarget

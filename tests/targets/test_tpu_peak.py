@@ -13,7 +13,8 @@ from remat_search.measure.executables import Executables, measure
 from remat_search.measure.measurement import Measurement, MemoryBreakdown
 from remat_search.report.text import describe_trial
 from remat_search.report.results import TrialResult
-from remat_search.spec.models import NnxConfig, TimingConfig, TpuTarget, TransformerConfig
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import NnxConfig, TransformerConfig
 from remat_search.targets.base import target_of
 from remat_search.units import parse_bytes
 

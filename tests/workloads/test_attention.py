@@ -15,7 +15,8 @@ from remat_search import RematPlan, build_workload, load_spec
 from remat_search.store.cache import cache_key
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.runner import Runner
-from remat_search.spec.models import TimingConfig, TpuTarget, TransformerConfig, resolved_attention
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import TransformerConfig, resolved_attention
 
 from tests.conftest import TINY_TRANSFORMER, spec_dict, write_spec
 

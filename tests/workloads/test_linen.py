@@ -17,7 +17,8 @@ from remat_search import LayerPolicy, RematPlan, build_workload
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.measure.executables import Executables
 from remat_search.workloads.linen import LinenWorkload
-from remat_search.spec.models import LinenConfig, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.workloads import LinenConfig
 from remat_search.workloads.base import next_token_loss
 
 from tests.conftest import spec_dict, write_spec

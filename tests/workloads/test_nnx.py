@@ -17,7 +17,8 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.workloads.nnx import NnxWorkload
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
-from remat_search.spec.models import NnxConfig, SearchSpec
+from remat_search.spec.models import SearchSpec
+from remat_search.spec.workloads import NnxConfig
 
 from tests.conftest import spec_dict, write_spec
 from tests.models.nnx_decoder import Decoder

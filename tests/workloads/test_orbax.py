@@ -20,7 +20,9 @@ from remat_search import RematPlan, SpecError, build_workload
 from remat_search.measure.artifacts import ReferenceStore
 from remat_search.workloads.checkpoint_params import INIT_SCALE
 from remat_search.measure.executables import Executables, anchor_plan, measure
-from remat_search.spec.models import MlpConfig, TimingConfig, TpuTarget, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import MlpConfig
 from remat_search.targets.base import target_of
 from remat_search.workloads.base import check_params_from
 

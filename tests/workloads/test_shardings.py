@@ -14,7 +14,9 @@ import pytest
 import remat_search
 from remat_search import RematPlan, build_workload
 from remat_search.measure.executables import Executables, measure
-from remat_search.spec.models import LinenConfig, NnxConfig, TimingConfig, TpuTarget, parse_spec
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TimingConfig, TpuTarget
+from remat_search.spec.workloads import LinenConfig, NnxConfig
 from remat_search.targets.base import target_of
 
 from tests.conftest import spec_dict, write_spec
@@ -189,7 +191,7 @@ def test_a_factorys_axes_the_mesh_lacks_are_size_1_and_no_error_names_a_field_it
     its partitioning names, those the spec's mesh leaves out are not split over."""
     from jax.sharding import PartitionSpec as P
 
-    from remat_search.spec.models import MlpConfig
+    from remat_search.spec.workloads import MlpConfig
     from tests.factories import TensorParallelMlp
 
     class Staged(TensorParallelMlp):

@@ -13,7 +13,14 @@ import pytest
 
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
-from remat_search.spec.models import FactoryConfig, LinenConfig, MlpConfig, NnxConfig, TransformerConfig, WorkloadConfig
+from remat_search.spec.workloads import (
+    FactoryConfig,
+    LinenConfig,
+    MlpConfig,
+    NnxConfig,
+    TransformerConfig,
+    WorkloadConfig,
+)
 from remat_search.workloads.base import BUILTIN_WORKLOADS, Workload, build_workload
 from remat_search.workloads.tracing import trace_step
 

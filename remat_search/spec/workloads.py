@@ -1,0 +1,242 @@
+"""The workloads a spec may name: the built-in kinds' configs (transformer, mlp, nnx, linen) and a
+factory's, with the mesh axes and logical axis rules they are sharded by."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Discriminator,
+    Field,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from remat_search.spec.fields import Frozen, matching
+from remat_search.targets.platform import is_gpu, is_tpu
+
+
+class _WorkloadConfig(Frozen):
+    """What every kind of workload may take besides its own fields."""
+
+    params_from: str | None = None
+    """The folder of an Orbax checkpoint of the model's parameters: their shapes, dtypes and,
+    where stored, shardings are read from its metadata (never its arrays) and replace the
+    model's own (see ``checkpoint_params.py``). Relative to the spec's folder in a spec file."""
+
+    @field_validator("params_from")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        """Kept absolute: a study's workers may start from another working directory."""
+        return None if value is None else os.path.abspath(os.path.expanduser(value))
+
+    @model_serializer(mode="wrap")
+    def _without_unset_params_from(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``params_from: null``: a study stored before the field existed keeps its identity."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("params_from") is None:
+            data.pop("params_from", None)
+        return data
+
+
+class TransformerConfig(_WorkloadConfig):
+    """The built-in Flax decoder LM trained with AdamW (see ``transformer.py``)."""
+
+    kind: Literal["transformer"]
+    layers: PositiveInt
+    d_model: PositiveInt
+    heads: PositiveInt
+    d_ff: PositiveInt
+    seq_len: PositiveInt
+    batch: PositiveInt
+    vocab: PositiveInt
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameters and activations (bf16 as real TPU runs use; the loss is taken in f32)."""
+    scan: bool = False
+    """Stack the layers' parameters (leading axis = layers) and run them with ``lax.scan``:
+    one scan per run of equal policies ("segments"), so compile time stays about constant in
+    depth. Nested plans cannot be scanned."""
+    attention: Literal["auto", "dense", "flash"] = "auto"
+    """``dense``: the scores ``[batch, heads, seq, seq]`` computed and kept as tensors, as a
+    plain implementation does. ``flash``: fused attention that keeps no ``seq × seq`` matrix,
+    as real runs use: the Pallas TPU flash-attention kernel on a TPU target (per shard of the
+    batch, in ``shard_map``), ``jax.nn.dot_product_attention`` elsewhere (cuDNN's fused
+    kernel on a GPU where it applies, XLA's composition on a CPU). ``auto`` (the default):
+    ``flash`` where it compiles and keeps no score matrix, else ``dense``, decided where the
+    workload is built for its target (:func:`resolved_attention`)."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TransformerConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        return self
+
+
+FLASH_BLOCK = 128
+"""The Pallas TPU kernel's block along the sequence (its minimum): ``seq_len`` must be a multiple."""
+
+
+def flash_tiles(config: TransformerConfig) -> bool:
+    """Whether the Pallas TPU kernel can tile ``config``'s sequence (whole 128-token blocks)."""
+    return config.seq_len % FLASH_BLOCK == 0
+
+
+def resolved_attention(config: TransformerConfig, platform: str) -> Literal["dense", "flash"]:
+    """The attention ``config`` runs with on a ``platform`` (a JAX device's: ``tpu``, ``gpu``,
+    ``cpu``): as written unless ``auto``, which is ``flash`` on a TPU where the Pallas kernel
+    tiles the sequence and on a GPU, else ``dense``. Not on a CPU: there XLA's
+    ``dot_product_attention`` keeps the scores too, and its peak was not reliably lower."""
+    if config.attention != "auto":
+        return config.attention
+    if is_tpu(platform):
+        return "flash" if flash_tiles(config) else "dense"
+    return "flash" if is_gpu(platform) else "dense"
+
+
+class MlpConfig(_WorkloadConfig):
+    """The built-in chain of dense → gelu → dense blocks trained with AdamW."""
+
+    kind: Literal["mlp"]
+    layers: PositiveInt
+    width: PositiveInt
+    hidden: PositiveInt
+    batch: PositiveInt
+
+
+class FactoryConfig(_WorkloadConfig):
+    """A user workload: ``factory: "package.module:function"``, called with ``args``."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        return matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "an import path 'package.module:function'")
+
+
+def _import_path(value: str | None) -> str | None:
+    """``value`` if it is an import path ``package.module:Name`` (``Name`` may be dotted), or None."""
+    if value is None:
+        return None
+    return matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:Name'")
+
+
+def axis_name(value: str) -> str:
+    return matching(value, r"[A-Za-z_]\w*", "a mesh axis name of letters, digits and '_' such as fsdp")
+
+
+MeshAxis = Annotated[str, AfterValidator(axis_name)]
+"""A mesh axis: any name (MaxText's rules name 12: ``stage``, ``context``, ``tensor_transpose``, …);
+one the mesh does not list is there at size 1."""
+MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
+"""The axes the built-in workloads know (the batch over ``data`` and ``fsdp``, the state over
+``fsdp``), in the order a mesh lays them out, first (MaxText's order of them); other axes follow
+in the order the spec writes them."""
+AxisRules = tuple[tuple[str, MeshAxis | tuple[MeshAxis, ...] | None], ...]
+"""Logical axis rules, Flax's form: ``[[logical name, mesh axis (or a list of them, or null)], ...]``,
+e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's logical names
+(``nn.with_logical_partitioning``, ``nnx.with_partitioning``) map onto mesh axes; an axis that
+``spec.mesh`` does not list is at size 1 (not split over)."""
+
+
+class NnxConfig(_WorkloadConfig):
+    """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
+    returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""
+
+    kind: Literal["nnx"]
+    model: str
+    """``"package.module:Name"``: the model class, or a function returning the model."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """The constructor's keyword arguments."""
+    blocks: str = "blocks"
+    """The attribute (a dotted path: ``decoder.layers``) holding the list of blocks the
+    model's ``__call__`` runs; each is checkpointed by its layer's policy."""
+    batch: PositiveInt
+    seq_len: PositiveInt
+    vocab: PositiveInt
+    """The default loss: next-token cross-entropy of ``model(tokens)``'s logits on random
+    int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
+    loss: str | None = None
+    """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
+    logical_axis_rules: AxisRules | None = None
+    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
+    mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
+
+    _import_paths = field_validator("model", "loss")(lambda value: _import_path(value))
+
+    @field_validator("blocks")
+    @classmethod
+    def _attribute_path(cls, value: str) -> str:
+        return matching(value, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an attribute name or a dotted path such as 'decoder.layers'")
+
+
+class LinenConfig(_WorkloadConfig):
+    """A user's Flax linen model, searched with no ``Workload`` subclass (``linen_workload.py``).
+
+    ``model`` (a ``nn.Module`` class, or a function returning a module) is called with
+    ``args``; the module maps int32 tokens ``[batch, seq_len]`` to logits
+    ``[batch, seq_len, vocab]``. Its layers are the calls of ``block`` (the class of the
+    model's blocks) or of the submodules that ``blocks`` names (the attribute ``blocks`` of a
+    list made in ``setup`` gives ``blocks_0``, ``blocks_1``, …): layer ``i`` is the ``i``-th
+    such call in one forward pass, checkpointed with the plan's policy for ``i``."""
+
+    kind: Literal["linen"]
+    model: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    block: str | None = None
+    blocks: str | None = None
+    batch: PositiveInt
+    seq_len: PositiveInt
+    vocab: PositiveInt
+    loss: str | None = None
+    """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
+    next-token cross-entropy of the logits on the tokens."""
+    logical_axis_rules: AxisRules | None = None
+    """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
+    mesh, its parameters are sharded as its ``nn.with_logical_partitioning`` metadata says,
+    by these rules, and they are in force while its step is traced (``nn.logical_axis_rules``)."""
+
+    _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
+
+    @field_validator("blocks")
+    @classmethod
+    def _attribute(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        return matching(value, r"[A-Za-z_]\w*", "a submodule or attribute name such as 'blocks'")
+
+    @model_validator(mode="after")
+    def _layers_named(self) -> LinenConfig:
+        if self.block is None and self.blocks is None:
+            raise ValueError("name the model's layers: block: 'package.module:Block' or blocks: ATTRIBUTE")
+        return self
+
+
+def _workload_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "factory" if "factory" in value else value.get("kind")
+    if isinstance(value, BaseModel):
+        return "factory" if isinstance(value, FactoryConfig) else getattr(value, "kind", None)
+    return None
+
+
+WorkloadConfig = Annotated[
+    Annotated[TransformerConfig, Tag("transformer")]
+    | Annotated[MlpConfig, Tag("mlp")]
+    | Annotated[NnxConfig, Tag("nnx")]
+    | Annotated[LinenConfig, Tag("linen")]
+    | Annotated[FactoryConfig, Tag("factory")],
+    Discriminator(
+        _workload_tag,
+        custom_error_type="workload_kind",
+        custom_error_message="expected kind: transformer, mlp, nnx or linen, or factory: 'package.module:function'",
+    ),
+]
