@@ -1,6 +1,7 @@
-"""README's "Apply the answer in a training script": each script runs exactly as written there.
+"""The training scripts that apply an answer (README's "Apply the plan", docs/api.md's "Apply the
+answer in a training script"): each runs exactly as written there.
 
-Each script is taken from README.md (the ```python block after its ``<!-- snippet: NAME -->``
+Each script is taken from README.md or docs/ (the ```python block after its ``<!-- snippet: NAME -->``
 marker), written to a folder with a ``plan.json`` and run with :func:`runpy.run_path`; its
 globals (``loss_fn``, ``params`` or ``model``, ``x``, ``y``) are what the checks use. A mixed
 plan, ``full×2 none dots`` (three runs, so three scans), is checked against no remat at the
@@ -31,10 +32,17 @@ MIXED = rs.RematPlan(layers=[{"kind": "full"}, {"kind": "full"}, {"kind": "none"
 NONE = rs.RematPlan.uniform("none", 4)
 
 
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""Where the scripts are shown: README and the pages under docs/."""
+
+
 def snippet(name: str) -> str:
-    """The code README.md shows after ``<!-- snippet: name -->``."""
-    found = re.findall(rf"<!-- snippet: {name} -->\n```python\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
-    assert len(found) == 1, f"README.md has {len(found)} snippet(s) named {name!r}"
+    """The code README.md or a page of docs/ shows after ``<!-- snippet: name -->`` (one of them, once)."""
+    found = [
+        code for page in PAGES
+        for code in re.findall(rf"<!-- snippet: {name} -->\n```python\n(.*?)```", page.read_text(), re.DOTALL)
+    ]
+    assert len(found) == 1, f"README.md and docs/ show {len(found)} snippet(s) named {name!r}"
     return found[0]
 
 
