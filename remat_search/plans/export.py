@@ -16,6 +16,7 @@ import yaml
 
 from remat_search.errors import SpecError
 from remat_search.plans.plan import RematPlan
+from remat_search.plans.policy import POLICIES
 
 Format = Literal["json", "yaml", "maxtext"]
 FORMATS: tuple[Format, ...] = ("json", "yaml", "maxtext")
@@ -40,7 +41,8 @@ def export(plan: RematPlan, form: Format) -> str:
 
 def maxtext(plan: RematPlan) -> dict[str, str]:
     """MaxText's remat settings of ``plan``: ``{remat_policy: full}``, or ``remat_policy:
-    custom`` with ``device``, ``offload`` or ``remat`` for each of :data:`MAXTEXT_NAMES`."""
+    custom`` with ``device``, ``offload`` or ``remat`` for each of :data:`MAXTEXT_NAMES`, as its
+    policy kind's ``maxtext`` hook says (``plans.policy.PolicyKind``)."""
     kinds = {str(layer) for layer in plan.layers}
     if len(kinds) > 1:
         raise SpecError(
@@ -48,23 +50,17 @@ def maxtext(plan: RematPlan) -> dict[str, str]:
             "and MaxText applies one to every decoder layer; use json or yaml with RematPlan.wrap"
         )
     layer = plan.layers[0]
-    if layer.kind == "full":
+    kind = POLICIES[layer.kind]
+    if kind.maxtext is None:
+        shown = str(layer) if kind.labelled else repr(layer.kind)
+        raise SpecError(f"--format maxtext: policy {shown} {kind.no_maxtext}; use json or yaml")
+    form = kind.maxtext(layer)
+    if form == "full":
         return {"remat_policy": "full"}
-    if layer.kind == "function":
-        raise SpecError(
-            f"--format maxtext: policy {layer} is a function of your own, which MaxText's config cannot name "
-            "(it has device/offload/remat per tensor name); use json or yaml"
-        )
-    if layer.kind not in ("names", "offload", "per_name"):
-        raise SpecError(
-            f"--format maxtext: policy {layer.kind!r} has no MaxText custom form (it chooses by operation, "
-            "not by MaxText's tensor names); use json or yaml"
-        )
-    foreign = sorted(set(layer.tensor_names) - set(MAXTEXT_NAMES))
+    device, offload = form
+    foreign = sorted((device | offload) - set(MAXTEXT_NAMES))
     if foreign:
         raise SpecError(f"--format maxtext: {foreign} are not MaxText's tensor names ({', '.join(MAXTEXT_NAMES)})")
-    device = set(layer.names) if layer.kind in ("names", "per_name") else set()
-    offload = set(layer.offload) if layer.kind == "per_name" else set(layer.names) - device
     settings = {name: "device" if name in device else "offload" if name in offload else "remat" for name in MAXTEXT_NAMES}
     if settings[PINNED] == "remat":
         settings[PINNED] = "device"

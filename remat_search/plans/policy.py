@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,8 @@ from remat_search.errors import WorkloadError
 from remat_search.imports import import_object
 
 JaxPolicy = Callable[..., Any]
+MaxTextForm = Literal["full"] | tuple[frozenset[str], frozenset[str]]
+"""MaxText's form of a layer: ``"full"``, or (names kept on the device, names offloaded)."""
 IMPORT_PATH = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"
 OPTIONAL_FIELDS = ("names", "offload", "function")
 """The :class:`LayerPolicy` fields a kind may take (``kind`` aside)."""
@@ -56,6 +58,12 @@ class PolicyKind:
     names: VALUE to the policy's fields (a :class:`ValueError` saying what was expected)."""
     form: str = "[...]"
     """What VALUE looks like, for messages."""
+    maxtext: Callable[[LayerPolicy], MaxTextForm] | None = None
+    """MaxText's form of a layer of this kind (``plans.export``): ``"full"`` (its ``remat_policy:
+    full``), or the tensor names kept on the device and those offloaded (``remat_policy: custom``,
+    every other name recomputed). None: MaxText's config cannot say it (:attr:`no_maxtext` says why)."""
+    no_maxtext: str = "has no MaxText custom form (it chooses by operation, not by MaxText's tensor names)"
+    """Why MaxText's config has no form for this kind: the refusal's words after ``policy X``."""
 
     @property
     def uses(self) -> tuple[str, ...]:
@@ -87,7 +95,9 @@ def _policies() -> Any:
 
 
 register_policy(PolicyKind("none", "no checkpoint: every activation is saved", lambda p: None, checkpoints=False))
-register_policy(PolicyKind("full", "save nothing, recompute the layer", lambda p: _policies().nothing_saveable))
+register_policy(PolicyKind(
+    "full", "save nothing, recompute the layer", lambda p: _policies().nothing_saveable, maxtext=lambda p: "full",
+))
 register_policy(PolicyKind("dots", "save matrix-multiply outputs", lambda p: _policies().dots_saveable))
 register_policy(PolicyKind(
     "dots_no_batch", "save matrix-multiply outputs without batch dimensions",
@@ -96,6 +106,7 @@ register_policy(PolicyKind(
 register_policy(PolicyKind(
     "names", "save only the tensors named with checkpoint_name",
     lambda p: _policies().save_only_these_names(*p.names), takes_names=True,
+    maxtext=lambda p: (frozenset(p.names), frozenset()),
 ))
 register_policy(PolicyKind(
     "names_except", "save every tensor named with checkpoint_name but these",
@@ -114,7 +125,7 @@ register_policy(PolicyKind(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(p.names),
         offload_src="device", offload_dst="pinned_host",
     ),
-    takes_names=True, host_memory=True,
+    takes_names=True, host_memory=True, maxtext=lambda p: (frozenset(), frozenset(p.names)),
 ))
 
 
@@ -144,11 +155,13 @@ register_policy(PolicyKind(
         offload_src="device", offload_dst="pinned_host",
     ),
     fields=("names", "offload"), from_spec=_per_name, form="{device: [...], offload: [...]}",
+    maxtext=lambda p: (frozenset(p.names), frozenset(p.offload)),
 ))
 register_policy(PolicyKind(
     "function", "a jax.checkpoint policy function of your own, (prim, *avals, **params) -> bool, by import path",
     lambda p: import_function(p.function or "", "policy.function"),
     fields=("function",), from_spec=_function, form="'package.module:function'",
+    no_maxtext="is a function of your own, which MaxText's config cannot name (it has device/offload/remat per tensor name)",
 ))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_search
 from remat_search import POLICIES, LayerPolicy, PolicyKind, RematPlan, register_policy
+from remat_search.errors import SpecError
+from remat_search.plans.export import PINNED, maxtext
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import PolicyChoice
 
@@ -65,6 +68,41 @@ def test_a_kind_checkpoints_as_it_says_and_keeps_the_gradients(kind: str) -> Non
     assert any(e.primitive.name.startswith(("checkpoint", "remat")) for e in eqns) == POLICIES[kind].checkpoints
     grads = jax.jit(jax.grad(lambda x: wrapped(x).sum()))(x)
     assert jnp.allclose(grads, jax.grad(lambda x: _layer(w, x).sum())(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_a_kind_is_written_for_maxtext_as_its_hook_says(kind: str) -> None:
+    """``--format maxtext`` asks the kind: its form, or its own reason why MaxText has none."""
+    plan = RematPlan.uniform(_policy(kind), 2)
+    hook = POLICIES[kind].maxtext
+    if hook is None:
+        with pytest.raises(SpecError, match=re.escape(POLICIES[kind].no_maxtext)):
+            maxtext(plan)
+        return
+    form = hook(_policy(kind))
+    settings = maxtext(plan)
+    if form == "full":
+        assert settings == {"remat_policy": "full"}
+    else:
+        device, offload = form
+        assert {n for n, s in settings.items() if s == "device"} - {PINNED} == set(device) - {PINNED}
+        assert {n for n, s in settings.items() if s == "offload"} == set(offload)
+
+
+def test_a_new_kind_is_one_registration_export_included() -> None:
+    """A kind registered here (MaxText's ``minimal``: its matmul outputs kept) parses and
+    exports with nothing else changed."""
+    kept = frozenset({"query_proj", "key_proj", "value_proj", "mlpwi", "mlpwo", "out_proj"})
+    register_policy(PolicyKind(
+        "minimal_like", "save MaxText's matmul outputs", lambda p: jax.checkpoint_policies.save_only_these_names(*kept),
+        maxtext=lambda p: (kept, frozenset()),
+    ))
+    try:
+        assert PolicyChoice.model_validate("minimal_like").policy == LayerPolicy(kind="minimal_like")
+        settings = maxtext(RematPlan.uniform(LayerPolicy(kind="minimal_like"), 3))
+        assert {n for n, s in settings.items() if s == "device"} == kept | {PINNED}
+    finally:
+        del POLICIES["minimal_like"]
 
 
 def test_an_unknown_kind_is_named_with_the_known_ones() -> None:
