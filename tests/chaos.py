@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 
 from remat_search.store.liveness import counts
 from remat_search.plans.plan import RematPlan
-from remat_search.store.storage import MEASUREMENT_ATTR, PLAN_ATTR
+from remat_search.store.attributes import MEASUREMENT_ATTR, PLAN_ATTR
 
 from .conftest import REPO, run_process, spec_dict, write_spec
 

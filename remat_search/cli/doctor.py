@@ -40,15 +40,8 @@ from remat_search.spec.models import HeartbeatConfig
 from remat_search.spec.workloads import MlpConfig
 from remat_search.store.cache import measurements
 from remat_search.store.liveness import orphaned
-from remat_search.store.storage import (
-    HOST_ATTR,
-    PID_ATTR,
-    check_storage,
-    host_name,
-    load_study,
-    resolve_url,
-    translate_errors,
-)
+from remat_search.store.attributes import HOST_ATTR, PID_ATTR, host_name
+from remat_search.store.storage import check_storage, load_study, resolve_url, translate_errors
 from remat_search.targets.platform import is_cpu
 from remat_search.units import format_bytes
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import SpecError
 from remat_search.report.results import StudyReport, TrialResult
-from remat_search.store.storage import SPEC_ATTR
+from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.stored import StoredStudy, open_studies, open_study
 from remat_search.units import parse_bytes
 

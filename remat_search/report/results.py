@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from remat_search.errors import NoFeasiblePlan
 from remat_search.measure.measurement import Measurement, relative_spread
 from remat_search.plans.plan import RematPlan
-from remat_search.store.storage import (
+from remat_search.store.attributes import (
     CACHED_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_ATTR,

@@ -51,7 +51,8 @@ from remat_search.report.results import (
     result_of,
     settlement,
 )
-from remat_search.store.storage import FAILURE_ATTR, INTERRUPTED, Reader, no_such_study, read_only, resolve_url
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED
+from remat_search.store.storage import Reader, no_such_study, read_only, resolve_url
 from remat_search.units import format_bytes
 
 # optuna's TrialState and TrialValueType, by the names its Enum columns store (literals in the

@@ -18,7 +18,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.search.samplers import record_prediction
 from remat_search.search.state import SearchState
 from remat_search.store.liveness import admitted, ask, counts, mark
-from remat_search.store.storage import LABELS_ATTR, PLAN_ATTR
+from remat_search.store.attributes import LABELS_ATTR, PLAN_ATTR
 
 WAIT = "wait"
 """What :func:`next_trial` answers while the remaining trials are all running elsewhere."""

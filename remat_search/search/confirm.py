@@ -34,7 +34,8 @@ from remat_search.report.results import (
 )
 from remat_search.measure.runner import Runner
 from remat_search.spec.models import ConfirmConfig, HeartbeatConfig
-from remat_search.store.storage import ANCHOR_ATTR, CONFIRMATION_ATTR, SETTLED_ATTR, load_study, open_storage, translate_errors
+from remat_search.store.attributes import ANCHOR_ATTR, CONFIRMATION_ATTR, SETTLED_ATTR
+from remat_search.store.storage import load_study, open_storage, translate_errors
 from remat_search.search.progress import Progress, ProgressCallback
 from remat_search.search.runners import resolve_budget, runner_for
 from remat_search.search.study import spec_of_study

@@ -23,7 +23,7 @@ from remat_search.search.state import SearchState, Stopped
 from remat_search.spec.models import SearchSpec
 from remat_search.store import cache
 from remat_search.store.liveness import finished_trials
-from remat_search.store.storage import PREDICTION_ATTR, SAME_PROGRAM_ATTR
+from remat_search.store.attributes import PREDICTION_ATTR, SAME_PROGRAM_ATTR
 
 
 def measure(search: SearchState, asked: Asked, runner: Runner) -> None:

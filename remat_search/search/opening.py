@@ -41,14 +41,8 @@ from remat_search.spec.models import SearchSpec
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.store import cache
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
-from remat_search.store.storage import (
-    LAYERS_ATTR,
-    QUEUED_ATTR,
-    SPEC_ATTR,
-    check_storage,
-    open_storage,
-    translate_errors,
-)
+from remat_search.store.attributes import LAYERS_ATTR, QUEUED_ATTR, SPEC_ATTR
+from remat_search.store.storage import check_storage, open_storage, translate_errors
 from remat_search.targets.platform import offloads_to_host
 from remat_search.workloads.base import build_workload
 

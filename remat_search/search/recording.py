@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.measure.measurement import Measurement
-from remat_search.store.storage import ANCHOR_ATTR, FAILURE_ATTR, MEASUREMENT_ATTR
+from remat_search.store.attributes import ANCHOR_ATTR, FAILURE_ATTR, MEASUREMENT_ATTR
 
 CONSTRAINTS_ATTR = "constraints"
 """The trial system attribute of its constraints, in the list form optuna and optuna-dashboard both read."""

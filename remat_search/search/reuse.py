@@ -19,7 +19,7 @@ from remat_search.measure.measurement import Measurement, RawMeasurement, judge
 from remat_search.plans.plan import RematPlan
 from remat_search.search.state import POLL_SECONDS, SearchState, Stopped
 from remat_search.store import cache
-from remat_search.store.storage import CACHED_ATTR, PLAN_ATTR, REUSED_ATTR
+from remat_search.store.attributes import CACHED_ATTR, PLAN_ATTR, REUSED_ATTR
 
 
 def claim(search: SearchState, trial: optuna.Trial, plan: RematPlan) -> None:

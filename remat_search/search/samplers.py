@@ -22,7 +22,7 @@ from remat_search.errors import SpecError
 from remat_search.search.cost_model import Prediction, study_cost_model
 from remat_search.search.space import Space
 from remat_search.spec.models import SamplerConfig
-from remat_search.store.storage import PREDICTION_ATTR, QUEUED_ATTR
+from remat_search.store.attributes import PREDICTION_ATTR, QUEUED_ATTR
 
 TARGETS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 """Budgets the sampler plans for, as fractions of the study's: the budget first, then the front."""

@@ -23,7 +23,7 @@ from remat_search.measure.device import DeviceInfo
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import SearchSpec
 from remat_search.store.liveness import finished_trials
-from remat_search.store.storage import SPEC_ATTR
+from remat_search.store.attributes import SPEC_ATTR
 from remat_search.units import size_argument
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.

@@ -29,7 +29,8 @@ from remat_search.search.progress import Progress
 from remat_search.search.space import Space
 from remat_search.search.study import spec_of_submitted
 from remat_search.store.liveness import finished_trials, heartbeat_storage_options, recover
-from remat_search.store.storage import LAYERS_ATTR, SPEC_ATTR, open_storage, translate_errors
+from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR
+from remat_search.store.storage import open_storage, translate_errors
 
 Event = dict[str, Any]
 EventCallback = Callable[[Event], None]

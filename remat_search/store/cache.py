@@ -37,7 +37,7 @@ import sqlalchemy as sa
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.measurement import Measurement, RawMeasurement
 from remat_search.spec.workloads import MESH_AXES
-from remat_search.store.storage import host_name
+from remat_search.store.attributes import host_name
 
 metadata = sa.MetaData()
 measurements = sa.Table(

@@ -35,7 +35,15 @@ import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from remat_search.spec.models import HeartbeatConfig
-from remat_search.store.storage import FAILURE_ATTR, HOST_ATTR, INTERRUPTED, PID_ATTR, QUEUED_ATTR, STARTED_ATTR, host_name
+from remat_search.store.attributes import (
+    FAILURE_ATTR,
+    HOST_ATTR,
+    INTERRUPTED,
+    PID_ATTR,
+    QUEUED_ATTR,
+    STARTED_ATTR,
+    host_name,
+)
 
 logger = logging.getLogger("remat_search")
 

@@ -5,8 +5,8 @@ storage errors into :class:`StorageError`. A search opens it through optuna
 (:func:`open_storage`); queries read the same tables over a plain read-only connection
 (:func:`read_only`), without importing optuna. SQLite databases run in WAL mode with a busy
 timeout so that several processes can share one file. A trial's plan and measurement are
-kept as JSON user attributes next to optuna's own values and constraints (their names are
-here); ``results.py`` reads them back.
+kept as JSON user attributes next to optuna's own values and constraints (their names are in
+``store.attributes``); ``report.results`` reads them back.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import sqlite3
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import StorageError
 from remat_search.store.location import HOME_ENV, STORAGE_ENV, default_storage, storage_home
@@ -32,47 +31,6 @@ if TYPE_CHECKING:
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 CONNECT_TIMEOUT_SECONDS = 10
-# Trial user attributes written by the search.
-PLAN_ATTR, MEASUREMENT_ATTR, FAILURE_ATTR = "plan", "measurement", "failure"
-HOST_ATTR, PID_ATTR, REUSED_ATTR = "host", "pid", "reused_from"
-STARTED_ATTR = "pid_started"
-"""When the search process (``PID_ATTR``) started: a pid the system gave to another process
-since is told apart by its start time."""
-HOST_ENV = "REMAT_SEARCH_HOST"
-"""Overrides this host's name in the trials it marks and the claims it holds: two processes of
-one machine given two names judge each other's trials as two hosts do, by heartbeat only
-(benchmarks/chaos_hosts.py)."""
-
-
-def host_name() -> str:
-    """This host's name as trials (``HOST_ATTR``) and claims record it: ``$REMAT_SEARCH_HOST``,
-    else the machine's."""
-    return os.environ.get(HOST_ENV) or socket.gethostname()
-
-
-PREDICTION_ATTR, CACHED_ATTR = "prediction", "cached_from"
-SAME_PROGRAM_ATTR = "same_program_as"
-"""``study#trial`` that measured the program this trial's plan compiled to: its measurement
-stands for this one, which was compiled but not run."""
-QUEUED_ATTR = "queued_params"
-"""The parameters a queued trial was enqueued with (``study.enqueue_trial(params, user_attrs=
-{QUEUED_ATTR: params})``): how the search and the planner tell a queued plan, which optuna
-keeps only in a private system attribute, before its parameters are suggested."""
-# Study user attributes.
-LAYERS_ATTR = "layers"
-SPEC_ATTR = "spec"
-"""The spec a study was last submitted or searched with, without its storage URL: what a
-worker needs to measure it (``search.study.spec_of_submitted``)."""
-LABELS_ATTR = "labels"
-INTERRUPTED = "interrupted"
-CONFIRMATION_ATTR = "confirmation"
-SETTLED_ATTR = "confirmation_settled"
-"""What the latest confirmation raced to a confirmed answer: the budgets it settled, those where
-its race budget ran out first (``results.Settlement``)."""
-ANCHOR_ATTR = "anchor_seconds"
-"""The study's reference time of the anchor plan, in which its anchored step times are stated."""
-
-TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
 
 
 def resolve_url(url: str | None) -> str:

@@ -12,7 +12,7 @@ import pytest
 from optuna.trial import TrialState
 
 from remat_search.plans.plan import RematPlan
-from remat_search.store.storage import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
+from remat_search.store.attributes import FAILURE_ATTR, LABELS_ATTR, PLAN_ATTR
 
 
 def test_show_a_study_with_running_waiting_and_failed_trials(cli, storage_url: str) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from remat_search.cli import output
 from remat_search.cli.app import app
 from remat_search.cli.doctor import HEARTBEAT_GRACE_SECONDS, diagnose
-from remat_search.store.storage import HOST_ATTR, PID_ATTR, STARTED_ATTR
+from remat_search.store.attributes import HOST_ATTR, PID_ATTR, STARTED_ATTR
 
 from tests.conftest import write_spec
 from tests.search.test_fuzz import STUDY, base_spec

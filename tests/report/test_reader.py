@@ -25,7 +25,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.queries import list_studies
 from remat_search.report.results import StudyReport, load_confirmations, settlement, study_report
 from remat_search.report.stored import StoredStudy, open_study
-from remat_search.store.storage import (
+from remat_search.store.attributes import (
     CONFIRMATION_ATTR,
     FAILURE_ATTR,
     INTERRUPTED,

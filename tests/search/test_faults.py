@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 import remat_search
 from remat_search.errors import SpecError
 from remat_search.spec.loading import parse_spec
-from remat_search.store.storage import FAILURE_ATTR
+from remat_search.store.attributes import FAILURE_ATTR
 
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 

@@ -24,7 +24,8 @@ from remat_search.search.solver import solve_front
 from remat_search.report.queries import list_studies
 from remat_search.search.advice import plan_for_budget
 from remat_search.spec.loading import parse_spec
-from remat_search.store.storage import LAYERS_ATTR, PREDICTION_ATTR, open_storage
+from remat_search.store.attributes import LAYERS_ATTR, PREDICTION_ATTR
+from remat_search.store.storage import open_storage
 
 from tests.conftest import CHOICES, TINY_TRANSFORMER, spec_dict
 

@@ -13,7 +13,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 
 from remat_search.report.queries import estimate_seconds, list_studies
-from remat_search.store.storage import FAILURE_ATTR, INTERRUPTED, SPEC_ATTR
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, SPEC_ATTR
 
 START = datetime.datetime(2030, 1, 1, 12, 0, 0)
 

@@ -11,7 +11,8 @@ import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from remat_search import StorageError
-from remat_search.store.storage import FAILURE_ATTR, INTERRUPTED, PID_ATTR, PLAN_ATTR, open_storage
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, PID_ATTR, PLAN_ATTR
+from remat_search.store.storage import open_storage
 
 from tests.conftest import run_process, spec_dict, write_spec
 

@@ -20,7 +20,7 @@ from remat_search import RematPlan, SpecError
 from remat_search.measure.executables import Executables, measure
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig
-from remat_search.store.storage import SPEC_ATTR
+from remat_search.store.attributes import SPEC_ATTR
 from remat_search.search.progress import Progress
 from remat_search.search.study import spec_of_study
 from remat_search.units import format_bytes

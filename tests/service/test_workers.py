@@ -20,7 +20,8 @@ from remat_search.store.liveness import counts
 from remat_search.report.results import trial_result
 from remat_search.search.loop import run
 from remat_search.spec.loading import parse_spec
-from remat_search.store.storage import HOST_ATTR, PID_ATTR, PLAN_ATTR, open_storage
+from remat_search.store.attributes import HOST_ATTR, PID_ATTR, PLAN_ATTR
+from remat_search.store.storage import open_storage
 
 from tests.conftest import FAST_TIMING, run_process, spec_dict, write_spec
 

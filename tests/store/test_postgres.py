@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from remat_search import RematPlan
 from remat_search.store.liveness import counts
-from remat_search.store.storage import CACHED_ATTR, PID_ATTR, PLAN_ATTR, REUSED_ATTR
+from remat_search.store.attributes import CACHED_ATTR, PID_ATTR, PLAN_ATTR, REUSED_ATTR
 
 from tests.conftest import TINY_TRANSFORMER, run_process, spec_dict, write_spec
 
