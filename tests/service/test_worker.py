@@ -171,7 +171,7 @@ def test_a_factory_beside_the_spec_imports_in_the_search_and_its_worker(tmp_path
     """`run` from another folder: the spec's folder is on the import path of the search and of
     the worker process it spawns; a module found nowhere is one line naming where it looked."""
     (tmp_path / "beside_the_spec.py").write_text(
-        "from remat_search.workloads.mlp import MlpWorkload\nfrom remat_search.spec.models import MlpConfig\n\n\n"
+        "from remat_search.workloads.mlp import MlpWorkload\nfrom remat_search.spec.workloads import MlpConfig\n\n\n"
         "def make():\n    return MlpWorkload(MlpConfig(kind='mlp', layers=2, width=16, hidden=32, batch=4))\n"
     )
     url = f"sqlite:///{tmp_path / 'studies.db'}"
