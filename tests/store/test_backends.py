@@ -16,7 +16,8 @@ from remat_search.measure.device import DeviceInfo
 from remat_search.measure.measurement import MEASUREMENT_SCHEMA
 from remat_search.store import cache
 from remat_search.store.attributes import LAYERS_ATTR
-from remat_search.store.storage import check_storage, load_study, open_storage, read_only
+from remat_search.store.reading import read_only
+from remat_search.store.storage import check_storage, load_study, open_storage
 
 from tests.conftest import create_database
 
