@@ -52,7 +52,8 @@ from remat_search.report.results import (
     settlement,
 )
 from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED
-from remat_search.store.storage import Reader, no_such_study, read_only, resolve_url
+from remat_search.store.reading import Reader, read_only
+from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
 
 # optuna's TrialState and TrialValueType, by the names its Enum columns store (literals in the

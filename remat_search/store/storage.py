@@ -1,12 +1,13 @@
 """Where studies live: optuna's RDB storage (SQLite by default, PostgreSQL for several hosts).
 
-This module is the one place that opens storage and translates SQLAlchemy and optuna
-storage errors into :class:`StorageError`. A search opens it through optuna
-(:func:`open_storage`); queries read the same tables over a plain read-only connection
-(:func:`read_only`), without importing optuna. SQLite databases run in WAL mode with a busy
-timeout so that several processes can share one file. A trial's plan and measurement are
-kept as JSON user attributes next to optuna's own values and constraints (their names are in
-``store.attributes``); ``report.results`` reads them back.
+This module is the one place that checks storage URLs, opens storage and translates
+SQLAlchemy and optuna storage errors into :class:`StorageError` (:func:`translate_errors`).
+A search opens it through optuna (:func:`open_storage`); queries read the same tables over a
+plain read-only connection (:mod:`remat_search.store.reading`), without importing optuna.
+SQLite databases run in WAL mode with a busy timeout so that several processes can share one
+file. A trial's plan and measurement are kept as JSON user attributes next to optuna's own
+values and constraints (their names are in ``store.attributes``); ``report.results`` reads
+them back.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sqlite3
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def check_storage(url: str | None = None, *, create: bool = False) -> dict:
             f"storage: {shown!r} has a brace that optuna reads as a template field ({{SCHEMA_VERSION}}); "
             "double it ({{ or }}) or rename the file"
         ) from None
-    plain = _plain_sqlite(url)
+    plain = plain_sqlite(url)
     if plain is not None:  # the common case, checked without importing SQLAlchemy
         _check_sqlite_path(plain, shown, create=create)
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}}
@@ -121,99 +122,10 @@ def open_storage(
         return storage
 
 
-class Reader:
-    """A read-only connection for the queries: rows of plain SQL with named parameters
-    (``:name``; a list expands where the SQL says ``IN :name``)."""
-
-    def __init__(self, execute: Callable[[str, dict[str, Any]], Iterator[tuple]], tables: Callable[[], set[str]]) -> None:
-        self._execute, self._tables = execute, tables
-
-    def stream(self, sql: str, **params: Any) -> Iterator[tuple]:
-        """The rows of ``sql``, read as they are taken (stop early: the rest is never read)."""
-        return self._execute(sql, params)
-
-    def rows(self, sql: str, **params: Any) -> list[tuple]:
-        return list(self._execute(sql, params))
-
-    def has_table(self, name: str) -> bool:
-        return name in self._tables()
-
-
-@contextlib.contextmanager
-def read_only(url: str | None = None) -> Iterator[Reader]:
-    """A :class:`Reader` of the storage at ``url`` (see :func:`check_storage`: a missing
-    SQLite file is an error), without optuna: no table is made, no pragma but ``query_only``
-    set on SQLite, so that a query cannot write even by mistake. A SQLite file is read with the
-    standard library's ``sqlite3``, without importing SQLAlchemy (a quarter of a second of a
-    query's wall time); other databases through SQLAlchemy. Its errors are translated
-    (:func:`translate_errors`), the block's own too."""
-    url = resolve_url(url)
-    engine_kwargs = check_storage(url)
-    plain = _plain_sqlite(url)
-    with translate_errors(url):
-        if plain is not None:
-            connection = sqlite3.connect(plain, timeout=SQLITE_BUSY_TIMEOUT_SECONDS)
-            try:
-                connection.execute("PRAGMA query_only = ON")
-                yield Reader(
-                    lambda sql, params: _sqlite_rows(connection, sql, params),
-                    lambda: {r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")},
-                )
-            finally:
-                connection.close()
-            return
-        import sqlalchemy
-
-        engine = sqlalchemy.create_engine(url, **engine_kwargs)
-        try:
-            with engine.connect() as connection:
-                if engine.dialect.name == "sqlite":
-                    connection.exec_driver_sql("PRAGMA query_only = ON")
-                yield Reader(
-                    lambda sql, params: _sqlalchemy_rows(connection, sql, params),
-                    lambda: set(sqlalchemy.inspect(connection).get_table_names()),
-                )
-        finally:
-            engine.dispose()
-
-
-def _sqlite_rows(connection: sqlite3.Connection, sql: str, params: dict[str, Any]) -> Iterator[tuple]:
-    """``sql``'s rows through sqlite3, each list parameter ``:name`` expanded to ``(:name_0, …)``."""
-    lists = {k: v for k, v in params.items() if isinstance(v, list)}
-    sql = re.sub(
-        r":(\w+)", lambda m: f"({', '.join(f':{m[1]}_{i}' for i in range(len(lists[m[1]])))})" if m[1] in lists else m[0],
-        sql,
-    )
-    flat = {k: v for k, v in params.items() if k not in lists}
-    flat.update({f"{k}_{i}": x for k, v in lists.items() for i, x in enumerate(v)})
-    cursor = connection.execute(sql, flat)
-    try:
-        for batch in iter(lambda: cursor.fetchmany(64), []):
-            yield from batch
-    finally:
-        cursor.close()
-
-
-def _sqlalchemy_rows(connection: sqlalchemy.Connection, sql: str, params: dict[str, Any]) -> Iterator[tuple]:
-    """``sql``'s rows through SQLAlchemy, list parameters expanding."""
-    from sqlalchemy import bindparam, text
-
-    statement = text(sql)
-    for name, value in params.items():
-        if isinstance(value, list):
-            statement = statement.bindparams(bindparam(name, expanding=True))
-    result = connection.execute(statement, params)
-    try:
-        for batch in iter(lambda: result.fetchmany(64), []):
-            yield from (tuple(row) for row in batch)
-    finally:
-        result.close()
-
-
 _PLAIN_SQLITE = re.compile(r"sqlite:///(?P<path>[^?%]+)")
 
 
-def _plain_sqlite(url: str) -> str | None:
+def plain_sqlite(url: str) -> str | None:
     """The file of a SQLite URL with no driver, options or escapes (``sqlite:///studies.db``,
     ``sqlite:////abs/path.db``), as SQLAlchemy reads it; None for any other URL."""
     found = _PLAIN_SQLITE.fullmatch(url)
@@ -386,7 +298,7 @@ def shown_url(url: str | None) -> str:
 
 def _shown(url: str) -> str:
     """``url`` as messages print it: password hidden, a SQLite file's path made absolute."""
-    plain = _plain_sqlite(url)
+    plain = plain_sqlite(url)
     if plain is not None:
         return f"sqlite:///{Path(plain).resolve()}"
     import sqlalchemy

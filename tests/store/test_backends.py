@@ -16,7 +16,8 @@ from remat_search.measure.device import DeviceInfo
 from remat_search.measure.measurement import MEASUREMENT_SCHEMA
 from remat_search.store import cache
 from remat_search.store.attributes import LAYERS_ATTR
-from remat_search.store.storage import check_storage, load_study, open_storage, read_only
+from remat_search.store.reading import read_only
+from remat_search.store.storage import check_storage, load_study, open_storage
 
 from tests.conftest import create_database
 
@@ -49,6 +50,18 @@ def test_a_study_written_through_optuna_is_read_back_by_both_paths(url: str) -> 
         assert reader.rows("SELECT study_name FROM studies") == [("s",)]
     with pytest.raises(StorageError, match=r"no study 'missing' in .*; studies there: \['s'\]"):
         load_study("missing", open_storage(url))
+
+
+def test_a_failed_statement_is_one_line_naming_the_storage(url: str) -> None:
+    """Both backends' errors are translated in one place (store.storage.translate_errors), the
+    read-only connection's too: one line, the URL and the database's own reason."""
+    open_storage(url, create=True)
+    with (
+        pytest.raises(StorageError, match=r"^storage: cannot use '.*' \(.*no_such_table") as raised,
+        read_only(url) as reader,
+    ):
+        reader.rows("SELECT * FROM no_such_table")
+    assert "\n" not in str(raised.value)
 
 
 def test_a_plan_is_claimed_by_one_trial_at_a_time(url: str) -> None:
