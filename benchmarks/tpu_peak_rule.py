@@ -15,7 +15,7 @@ batch. A figure the verdict supports is at most the chip's HBM at every batch th
 compiler rematerialises on its own near the limit, so figures are not monotonic in the batch
 there: every fitting compile counts, not only the last), and close to it at the last. ``required`` is what a search records for
 a refused plan: the temporaries the error states plus the per-chip arguments and outputs less
-donated buffers (``executables.io_bytes``).
+donated buffers (``measure.program.io_bytes``).
 
 Also: the small-model inversion (the NNX decoder of ``tests/models/nnx_decoder.py``, 6 blocks of
 width 128, batch 8 × 64 tokens on ``v5e:2x2`` as ``data 2 × fsdp 2``), its figures for no remat

@@ -146,7 +146,7 @@ class TpuTarget(Frozen):
 
 def target_kind(value: Any) -> str | None:
     """The kind of target a spec's ``target`` is written as (``local`` or ``tpu``; None for
-    neither): the tag of its form in :data:`TargetConfig` and of its class in ``target.TARGETS``."""
+    neither): the tag of its form in :data:`TargetConfig` and of its class in ``targets.base.TARGETS``."""
     if value == "local":
         return "local"
     return "tpu" if isinstance(value, (dict, TpuTarget)) else None

@@ -82,7 +82,7 @@ def _alive(process: psutil.Process) -> bool:
 
 def test_no_worker_outlives_a_search_killed_with_sigkill(tmp_path: Path, storage_url: str) -> None:
     """SIGKILL gives the search no chance to stop its worker: the worker sees that its parent
-    is gone and exits by itself (``runner._exit_with_parent``)."""
+    is gone and exits by itself (``measure.worker._exit_with_parent``)."""
     started = tmp_path / "hanging"
     spec = write_spec(tmp_path / "spec.yaml", spec_dict(
         storage_url, trials=2, space={"layout": "uniform", "choices": ["none", "full"]},
