@@ -14,9 +14,12 @@ The table sets each query's own work (the library function in this process, the 
 (``optuna.load_study(...).get_trials()``, and the report built from it, which is how the
 queries read studies before) and beside the command's wall time as a process
 (``python -m remat_search.cli.app ... --json``: imports included). ``plan`` (the planner's
-advice) is timed beside ``best``: it reads the study through the same reader, but every
-complete trial (the cost model is fitted to them all), and solves the model; the line under
-the table gives its time over ``best``'s. A second table gives the commands' wall times at
+advice) is timed beside ``best`` twice. As it answers after a search: the search keeps its cost
+model fitted to the study's complete trials in the study (``keep_cost_model``, called here on
+the grown study as the search calls it when it has finished its trials, and timed), and
+``plan`` solves that model, reading only the trials that can be the answer, as ``best`` does.
+And as it answers once a trial has completed since (the kept model removed): it reads every
+complete trial and fits the model itself. The line under the table gives both over ``best``. A second table gives the commands' wall times at
 the study's own size, and ``plan``'s over ``best``'s there.
 """
 
@@ -44,6 +47,10 @@ from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
 from remat_search.report.results import study_report
 from remat_search.report.stored import open_study
+from remat_search.search.cost_model import keep_cost_model
+from remat_search.search.space import Space
+from remat_search.spec.models import SpaceConfig
+from remat_search.store.attributes import COST_MODEL_ATTR, LAYERS_ATTR
 from remat_search.units import format_bytes, parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +130,16 @@ def grow(db: Path, study: str, trials: int, seed: int = 0) -> int:
     return start
 
 
+def keep(study: str, url: str) -> float:
+    """Keep the study's cost model in it as its search does when it has finished its trials;
+    return how long that took."""
+    begin = time.perf_counter()
+    with open_study(study, url) as stored:
+        space = Space.of(SpaceConfig.model_validate(stored.attrs["space"]), stored.attrs[LAYERS_ATTR])
+    assert keep_cost_model(optuna.load_study(study_name=study, storage=url), space) is not None
+    return time.perf_counter() - begin
+
+
 def median_seconds(work: Callable[[], Any], runs: int, *, warm: bool = True) -> tuple[float, Any]:
     """The median wall time of ``runs`` calls of ``work`` (after one unmeasured call if
     ``warm``), and what the last call returned."""
@@ -167,7 +184,7 @@ def main() -> None:
     budget = parse_bytes(a.budget)
     source = Path(a.storage.removeprefix("sqlite:///"))
     with tempfile.TemporaryDirectory() as folder:
-        small, db = Path(folder) / "small.db", Path(folder) / "grown.db"
+        small, db, stale = Path(folder) / "small.db", Path(folder) / "grown.db", Path(folder) / "stale.db"
         shutil.copyfile(source, small)
         shutil.copyfile(source, db)
         had = grow(db, a.study, a.trials)
@@ -177,7 +194,14 @@ def main() -> None:
               f"({format_bytes(budget)}); in-process: median of {a.runs} runs; commands: {a.cli_runs} runs, "
               "fastest–slowest\n")
         own_best, found = median_seconds(lambda: remat_search.best_plan(a.study, budget, url), a.runs)
-        own_plan, _ = median_seconds(lambda: remat_search.plan_for_budget(a.study, budget, storage=url), a.runs)
+        kept_s = keep(a.study, url)
+        own_plan, kept_advice = median_seconds(lambda: remat_search.plan_for_budget(a.study, budget, storage=url), a.runs)
+        stale_url = f"sqlite:///{stale}"
+        shutil.copyfile(db, stale)
+        optuna.load_study(study_name=a.study, storage=stale_url).set_user_attr(COST_MODEL_ATTR, None)
+        own_fit, fitted_advice = median_seconds(
+            lambda: remat_search.plan_for_budget(a.study, budget, storage=stale_url), a.runs)
+        assert kept_advice == fitted_advice, "the kept model answers otherwise than a fit"
         own_front, front = median_seconds(lambda: remat_search.pareto_front(a.study, url), a.runs)
         own_studies, _ = median_seconds(lambda: remat_search.list_studies(url), a.runs)
         optuna_runs = max(1, a.runs // 3)
@@ -194,13 +218,19 @@ def main() -> None:
             (f"`best --budget {a.budget}`", own_best, ["best", "--study", a.study, "--budget", a.budget, "--json"]),
             ("`pareto`", own_front, ["pareto", "--study", a.study, "--json"]),
             ("`studies`", own_studies, ["studies"]),
-            (f"`plan --budget {a.budget}`", own_plan, ["plan", "--study", a.study, "--budget", a.budget, "--json"]),
+            (f"`plan --budget {a.budget}`, model kept by the search", own_plan,
+             ["plan", "--study", a.study, "--budget", a.budget, "--json"]),
+            (f"`plan --budget {a.budget}`, a trial completed since (fits)", own_fit,
+             ["plan", "--study", a.study, "--budget", a.budget, "--json", "--storage", stale_url]),
         ):
-            low, high = cli_seconds([*args, "--storage", url], a.cli_runs)
-            walls[name.split()[0].strip("`")] = high
+            low, high = cli_seconds(args if "--storage" in args else [*args, "--storage", url], a.cli_runs)
+            walls[name.split(",")[-1] if "plan" in name else name.split()[0].strip("`")] = high
             print(f"| {name} | {ms(own)} | {ms(trials_s)} / {ms(report_s)} | {low:.2f}–{high:.2f} s |")
-        print(f"\n`plan` over `best` at {a.trials:,} trials: {own_plan / own_best:.1f}× in process, "
-              f"{walls['plan'] / walls['best']:.2f}× as commands (slowest runs)")
+        print(f"\n`plan` over `best` at {a.trials:,} trials, the model kept: {own_plan / own_best:.2f}× in process, "
+              f"{walls[' model kept by the search'] / walls['best']:.2f}× as commands (slowest runs); fitting it: "
+              f"{own_fit / own_best:.1f}× in process, {walls[' a trial completed since (fits)'] / walls['best']:.2f}× as commands")
+        print(f"\nKeeping the model at the end of a search of {a.trials:,} trials (reading them through optuna "
+              f"and fitting): {kept_s:.1f} s")
         print(f"\n(the same answers: best is trial {found.number}, the front has {len(front)} plans, as the "
               "report read through optuna says)\n")
 

@@ -51,7 +51,7 @@ from remat_search.report.results import (
     result_of,
     settlement,
 )
-from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, PLAN_ATTR
 from remat_search.store.reading import Reader, read_only
 from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
@@ -114,6 +114,16 @@ class StoredStudy:
         """Trial ``number``'s result (None if the study has no such trial)."""
         found = self._load(self._ids("number", [number]))
         return next(iter(found.values()), None)
+
+    def with_plan(self, plan_json: str) -> list[TrialResult]:
+        """The results of the trials of the plan whose canonical JSON is ``plan_json``
+        (:meth:`RematPlan.to_json`), in trial order: found in SQL, without reading the others."""
+        rows = self._rows(
+            "SELECT a.trial_id FROM trial_user_attributes a JOIN trials t ON t.trial_id = a.trial_id "
+            "WHERE t.study_id = :study AND a.key = :key AND a.value_json = :value",
+            key=PLAN_ATTR, value=json.dumps(plan_json),
+        )
+        return list(self._load(sorted(r[0] for r in rows)).values())
 
     def params(self, *, numbers: Sequence[int] | None = None, state: str | None = None) -> dict[int, dict[str, object]]:
         """The parameters of the trials ``numbers`` (every trial if None) in optuna's ``state``

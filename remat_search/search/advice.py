@@ -1,7 +1,7 @@
 """The advice: ``remat-search plan``'s answer, the plan to use for a budget (:func:`plan_for_budget`).
 
-The study's cost model (:mod:`search.cost_model`), fitted to what the study measured, is
-solved for the budget; where the study's fastest measured plan that fits is faster than the
+The study's cost model (:mod:`search.cost_model`), fitted to what the study measured (kept
+in the study by its search, else fitted here), is solved for the budget; where the study's fastest measured plan that fits is faster than the
 model's plan, or no plan is predicted to fit, that measured plan is the advice. The study is
 read through the one reader of studies (:mod:`report.stored`): plain SQL, no optuna, and
 without importing the search (only ``--measure`` runs one), so ``plan`` answers about as fast
@@ -20,7 +20,7 @@ from remat_search.errors import NoFeasiblePlan, SpecError, StorageError
 from remat_search.plans.plan import RematPlan, collapse_runs
 from remat_search.report.results import TrialResult
 from remat_search.report.stored import StoredStudy, open_study
-from remat_search.search.cost_model import CostModel, Prediction, cost_model
+from remat_search.search.cost_model import CostModel, Prediction, cost_model, kept_cost_model
 from remat_search.search.space import Space
 from remat_search.spec.loading import describe_validation_error
 from remat_search.spec.models import SpaceConfig
@@ -92,14 +92,7 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     of two choices compiled and one plan timed), or when no plan is predicted to fit and no
     measured one fits.
     """
-    trials = study.trials()
-    layers = study.attrs.get(LAYERS_ATTR) or next((len(t.plan.layers) for t in trials if t.plan), 0)
-    space = _stored_space(study, layers)
-    if layers:
-        params = study.params(state="COMPLETE")
-        model = cost_model(((t, params[t.number]) for t in trials if t.number in params), space)
-    else:
-        model = None
+    model, space = _model(study)
     if model is None:
         raise NoFeasiblePlan(
             f"study: {study.name!r} has too little measured to plan from (it needs the uniform "
@@ -126,7 +119,7 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     plan = space.plan(params)
     advice = Advice(
         study=study.name, budget=budget, plan=plan, params=params,
-        labels=space.layer_labels(params), predicted=best, measured=measured_trial(trials, plan),
+        labels=space.layer_labels(params), predicted=best, measured=measured_trial(study.with_plan(plan.to_json()), plan),
         observations=model.observations, margin=model.margin, thinned_to=fitting.thinned_to,
     )
     if fastest is None or fastest.plan == plan or fastest.seconds is None:
@@ -137,6 +130,23 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     return _measured_advice(study, budget, model, space, fastest, (
         f"{_described(fastest)} is faster than the model's plan ({plan.summary(advice.labels)}, {how})"
     ))
+
+
+def _model(study: StoredStudy) -> tuple[CostModel | None, Space]:
+    """The study's cost model and search space: the model the search kept where it was fitted
+    to the complete trials the study holds (:func:`kept_cost_model`: nothing else is read),
+    else fitted here to every complete trial."""
+    layers = study.attrs.get(LAYERS_ATTR)
+    kept = kept_cost_model(study.attrs, study.count().get("COMPLETE", 0))
+    if kept is not None and layers:
+        return kept, _stored_space(study, layers)
+    trials = study.trials()
+    layers = layers or next((len(t.plan.layers) for t in trials if t.plan), 0)
+    space = _stored_space(study, layers)
+    if not layers:
+        return None, space
+    params = study.params(state="COMPLETE")
+    return cost_model(((t, params[t.number]) for t in trials if t.number in params), space), space
 
 
 def _stored_space(study: StoredStudy, layers: int) -> Space:

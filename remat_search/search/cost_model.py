@@ -24,14 +24,15 @@ what to measure: every proposal is compiled and measured like any other trial.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
 from remat_search.report.results import TrialResult, trial_result
 from remat_search.search.solver import solve_front
 from remat_search.search.space import Space
+from remat_search.store.attributes import COST_MODEL_ATTR
 
 if TYPE_CHECKING:
     import optuna
@@ -41,6 +42,12 @@ RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 its delta halfway from the prior."""
 MIN_CALIBRATION = 3
 """Measured mixed plans the model's error must be known from before it may screen a plan out."""
+
+
+Array = Annotated[
+    np.ndarray, BeforeValidator(lambda a: np.asarray(a, dtype=float)), PlainSerializer(lambda a: a.tolist(), return_type=list)
+]
+"""A float array that a model keeps in JSON as nested lists (Python floats: read back exactly)."""
 
 
 class Observation(BaseModel):
@@ -85,9 +92,9 @@ class CostModel(BaseModel):
     """The choices the model can price (those whose uniform preset was compiled)."""
     base_peak: float
     base_seconds: float
-    peak: np.ndarray
+    peak: Array
     """``[unit, label]`` delta of peak bytes from the base (0 for ``labels[0]``)."""
-    seconds: np.ndarray
+    seconds: Array
     observations: int
     margin: float
     """Calibration: the largest relative under-prediction of a measured mixed plan's peak by
@@ -287,3 +294,27 @@ def study_cost_model(study: optuna.Study, space: Space) -> CostModel | None:
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     return cost_model(((trial_result(t), t.params) for t in complete), space)
+
+
+def keep_cost_model(study: optuna.Study, space: Space) -> CostModel | None:
+    """Fit the model to the study's complete trials and keep it in the study
+    (:data:`~remat_search.store.attributes.COST_MODEL_ATTR`) with their count, so that ``plan``
+    answers from it until the study completes another trial (:func:`kept_cost_model`). The
+    search does this once it has finished its trials."""
+    from optuna.trial import TrialState
+
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    model = cost_model(((trial_result(t), t.params) for t in complete), space)
+    if model is not None:
+        study.set_user_attr(COST_MODEL_ATTR, {"complete": len(complete), "model": model.model_dump(mode="json")})
+    return model
+
+
+def kept_cost_model(attrs: Mapping[str, Any], complete: int) -> CostModel | None:
+    """The model a study keeps (its user attributes ``attrs``), if it was fitted to the
+    ``complete`` trials the study holds now; None where it has none or the study has more
+    (complete trials never leave that state, so an equal count is the same trials)."""
+    kept = attrs.get(COST_MODEL_ATTR)
+    if not kept or kept.get("complete") != complete:
+        return None
+    return CostModel.model_validate(kept["model"])

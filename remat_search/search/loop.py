@@ -2,10 +2,11 @@
 
 :func:`run` checks everything a spec names before it writes anything, opens its study
 (:mod:`search.opening`), then its workers ask optuna for plans until the study holds
-``spec.trials`` finished trials (:mod:`search.workers`), and it confirms the fastest
-(:mod:`search.confirm`). Each trial carries two objectives (median step seconds, peak bytes)
-and the budget as a constraint (:mod:`search.recording`). Running the same spec again
-resumes: trials left running by a killed search are failed and their plans queued again.
+``spec.trials`` finished trials (:mod:`search.workers`); it keeps the planner's cost model
+fitted to them for ``plan`` (:func:`search.cost_model.keep_cost_model`) and confirms the
+fastest (:mod:`search.confirm`). Each trial carries two objectives (median step seconds,
+peak bytes) and the budget as a constraint (:mod:`search.recording`). Running the same spec
+again resumes: trials left running by a killed search are failed and their plans queued again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from optuna.trial import TrialState
 from remat_search.errors import NoFeasiblePlan, RematSearchError, RunError
 from remat_search.report.results import StudyReport, study_report
 from remat_search.search.confirm import confirm
+from remat_search.search.cost_model import keep_cost_model
 from remat_search.search.opening import checked, opened
 from remat_search.search.progress import Progress, ProgressCallback
 from remat_search.search.runners import resolve_workers, runner_for
@@ -45,6 +47,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
         study, storage, budget = opened(spec, space, device)
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
         work(SearchState(spec, budget, study, space, storage, device, tell), runners)
+        keep_cost_model(study, space)  # what `plan` answers from, until the study has more trials
         if spec.confirm.top and device.executes:
             try:
                 return confirm(

@@ -43,6 +43,10 @@ CONFIRMATION_ATTR = "confirmation"
 SETTLED_ATTR = "confirmation_settled"
 """What the latest confirmation raced to a confirmed answer: the budgets it settled, those where
 its race budget ran out first (``results.Settlement``)."""
+COST_MODEL_ATTR = "cost_model"
+"""The planner's cost model as the search last fitted it, with how many complete trials it was
+fitted to (``{"complete": n, "model": ...}``): ``plan`` answers from it while the study still
+holds that many, instead of reading and fitting every trial again (``search.cost_model``)."""
 ANCHOR_ATTR = "anchor_seconds"
 """The study's reference time of the anchor plan, in which its anchored step times are stated."""
 

@@ -139,6 +139,9 @@ def test_the_reader_reads_every_trial_as_optuna_does(storage: str, name: str) ->
         assert stored.params() == {t.number: t.params for t in study.trials}
         assert stored.params(state="COMPLETE") == {t.number: t.params for t in study.trials if t.state == TrialState.COMPLETE}
         assert stored.params(numbers=[1]) == {1: study.trials[1].params}
+        for plan in {t.plan for t in expected.trials if t.plan is not None}:  # alpha: plans of 1–3 trials
+            assert stored.with_plan(plan.to_json()) == [t for t in expected.trials if t.plan == plan]
+        assert stored.with_plan(RematPlan.uniform("none", 4).to_json()) == []
 
 
 @pytest.mark.parametrize("name", STUDIES)

@@ -24,7 +24,7 @@ from remat_search.search.solver import solve_front
 from remat_search.report.queries import list_studies
 from remat_search.search.advice import plan_for_budget
 from remat_search.spec.loading import parse_spec
-from remat_search.store.attributes import LAYERS_ATTR, PREDICTION_ATTR
+from remat_search.store.attributes import COST_MODEL_ATTR, LAYERS_ATTR, PREDICTION_ATTR
 from remat_search.store.storage import open_storage
 
 from tests.conftest import CHOICES, TINY_TRANSFORMER, spec_dict
@@ -385,6 +385,37 @@ def test_plan_advises_the_best_measured_plan_when_the_model_s_plan_is_slower(  #
     assert f"trial {measured_mix.number}" in advice.reason
     shown = cli("plan", "--study", "tiny", "--budget", budget, "--storage", storage_url)
     assert shown.exit_code == 0 and "the best measured plan, not the model's" in shown.stdout
+
+
+def test_plan_answers_from_the_model_the_search_kept_while_no_trial_completes_after_it(
+    tmp_path: Path, storage_url: str,
+) -> None:
+    """The search keeps its cost model fitted to the study's complete trials; ``plan`` answers
+    from it (so a kept model that says otherwise changes the answer) until the study holds
+    another complete trial, and then fits again; either way the answer is the one a fit to
+    every trial gives."""
+    delays = tmp_path / "delays.json"
+    delays.write_text(json.dumps({"full×3": 20, "dots×3": 20}))
+    remat_search.run(parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.factories:delayed", "args": {"delays": str(delays)}},
+        space={"layout": "per_layer", "choices": ["none", "full", "dots"]}, trials=4, confirm={"top": 0},
+    )))
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    complete = len(study.get_trials(states=(TrialState.COMPLETE,)))
+    kept = study.user_attrs[COST_MODEL_ATTR]
+    assert kept["complete"] == complete
+    budget = int(kept["model"]["base_peak"])
+    from_kept = plan_for_budget("tiny", budget, storage=storage_url)
+    study.set_user_attr(COST_MODEL_ATTR, None)
+    fitted = plan_for_budget("tiny", budget, storage=storage_url)
+    assert from_kept == fitted and from_kept.predicted is not None
+
+    slower = {**kept["model"], "base_seconds": kept["model"]["base_seconds"] + 1.0}
+    study.set_user_attr(COST_MODEL_ATTR, {"complete": complete, "model": slower})
+    used = plan_for_budget("tiny", budget, storage=storage_url)
+    assert used.predicted is not None and used.predicted.seconds > fitted.predicted.seconds + 0.99
+    study.set_user_attr(COST_MODEL_ATTR, {"complete": complete - 1, "model": slower})  # a trial completed since
+    assert plan_for_budget("tiny", budget, storage=storage_url) == fitted
 
 
 def test_plan_reports_an_invalid_stored_space_apart_from_too_little_measured(  # type: ignore[no-untyped-def]
