@@ -29,6 +29,7 @@ import numpy as np
 from remat_search.measure.artifacts import ReferenceStore
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.measure.program import io_bytes, program_cost, program_digest
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TimingConfig
 from remat_search.targets.step_time import StepEstimate
@@ -95,11 +96,14 @@ class Executables:
     ``loaded`` (from the ``reference_store``); None before it was needed."""
 
     def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
-                 capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None) -> None:
+                 capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None,
+                 configuration: Configuration | None = None) -> None:
+        """``configuration``: the one the workload and mesh were built for (its plans carry
+        it), where the study searches configurations; the anchor and reference run at it."""
         self.workload, self.mesh, self.capacity = workload, mesh, capacity
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
-        self.anchor_plan = anchor_plan(workload.layers)
+        self.anchor_plan = anchor_plan(workload.layers).model_copy(update={"configuration": configuration})
         self._kept: OrderedDict[str, Build] = OrderedDict()
         self._anchor: Build | None = None
         self._reference: FirstStep | None = None

@@ -15,6 +15,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from remat_search.errors import RunError, SpecError, WorkloadError
 from remat_search.measure import protocol
@@ -22,10 +23,11 @@ from remat_search.measure.artifacts import ReferenceStore, reference_key
 from remat_search.measure.device import describe, reference_parts
 from remat_search.measure.executables import Executables, Known, measure, retime
 from remat_search.measure.measurement import RawMeasurement
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TargetConfig
 from remat_search.spec.workloads import WorkloadConfig
-from remat_search.targets.base import target_of
+from remat_search.targets.base import Target, target_of
 
 PARENT_POLL_SECONDS = 0.25
 """How often the worker checks that its parent, the search, is still alive."""
@@ -83,7 +85,8 @@ def serve(
     conn.send(protocol.Ready(info.model_dump_json()))
     store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
-    executables = Executables(workload, target=target, mesh=mesh, reference_store=store)
+    base = Executables(workload, target=target, mesh=mesh, reference_store=store)
+    executables = _Configured(base, workload_config, target)
     while True:
         try:
             request: protocol.Measure | protocol.Retime = conn.recv()
@@ -92,17 +95,52 @@ def serve(
         try:
             if isinstance(request, protocol.Retime):
                 plans = [RematPlan.model_validate_json(p) for p in request.plans]
-                times = retime(executables, plans, warmup=request.warmup, rounds=request.rounds, budget=request.budget)
+                times = executables.retime(plans, warmup=request.warmup, rounds=request.rounds, budget=request.budget)
                 conn.send(protocol.Done(json.dumps(times)))
                 continue
+            plan = RematPlan.model_validate_json(request.plan)
             m = measure(
-                executables, RematPlan.model_validate_json(request.plan), budget=request.budget,
+                executables.at(plan.configuration), plan, budget=request.budget,
                 timing=request.timing, gradient_tolerance=request.gradient_tolerance,
                 known=_asker(conn) if request.ask else None,
             )
             conn.send(protocol.Done(m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             conn.send(protocol.Failed(_failure(e)))
+
+
+class _Configured:
+    """The worker's executables of each configuration its plans carry: the spec's own workload
+    and mesh for a plan without one; for a configuration, the workload at its batch over its
+    mesh, built when a plan first asks for it (its reference is kept in memory only)."""
+
+    def __init__(self, base: Executables, workload_config: WorkloadConfig, target: Target) -> None:
+        self._base, self._workload_config, self._target = base, workload_config, target
+        self._built: dict[Configuration, Executables] = {}
+
+    def at(self, configuration: Configuration | None) -> Executables:
+        if configuration is None:
+            return self._base
+        if configuration not in self._built:
+            from remat_search.workloads.base import build_workload, check_params_from
+
+            workload = build_workload(self._workload_config, configuration)
+            mesh = self._target.mesh(configuration.mesh_axes)
+            workload.use_mesh(mesh)
+            check_params_from(workload)
+            self._built[configuration] = Executables(workload, target=self._target, mesh=mesh, configuration=configuration)
+        return self._built[configuration]
+
+    def retime(self, plans: list[RematPlan], **how: Any) -> list[tuple[float, ...]]:
+        """:func:`executables.retime` of ``plans``, one interleaved session for each
+        configuration among them (one training state on the device at a time); their times in
+        the order of ``plans``."""
+        times: dict[int, tuple[float, ...]] = {}
+        for configuration in dict.fromkeys(p.configuration for p in plans):
+            group = [i for i, p in enumerate(plans) if p.configuration == configuration]
+            found = retime(self.at(configuration), [plans[i] for i in group], **how)
+            times.update(zip(group, found, strict=True))
+        return [times[i] for i in range(len(plans))]
 
 
 def _asker(conn: Connection) -> Known:

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from remat_search.errors import SpecError
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.policy import LayerPolicy, checkpoint_policy
 
 Layout = Literal["flat", "nested"]
@@ -42,6 +43,9 @@ class RematPlan(BaseModel):
 
     layers: tuple[LayerPolicy, ...] = Field(min_length=1)
     layout: Layout = "flat"
+    configuration: Configuration | None = None
+    """The batch, accumulation and mesh the plan runs at, where a study searches them (see
+    :mod:`~remat_search.plans.configuration`); None: the spec's own."""
 
     @classmethod
     def uniform(cls, policy: LayerPolicy | str, layers: int) -> RematPlan:
@@ -61,10 +65,11 @@ class RematPlan(BaseModel):
     def to_json(self) -> str:
         """Canonical JSON: the same plan always gives the same text.
 
-        ``layout`` is written only when it is not ``flat``, so flat plans keep the text (and
-        :attr:`digest`) they had before layouts existed.
+        ``layout`` is written only when it is not ``flat``, and ``configuration`` only where
+        there is one, so plans keep the text (and :attr:`digest`) they had before either existed.
         """
-        data = self.model_dump(mode="json", exclude={"layout"} if self.layout == "flat" else None)
+        unset = {"layout"} if self.layout == "flat" else set()
+        data = self.model_dump(mode="json", exclude=unset | ({"configuration"} if self.configuration is None else set()))
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -86,10 +91,12 @@ class RematPlan(BaseModel):
         """A short human form, runs of equal layers collapsed: ``full×2 dots×6``.
 
         ``labels``, one per layer (the spec's choice labels), replace the policies' own text.
-        Nested plans start with ``nested:`` (``nested: none×8``).
+        Nested plans start with ``nested:`` (``nested: none×8``), and a plan with a
+        configuration with it (``batch 4 · fsdp=4: full×8``).
         """
         text = collapse_runs(labels if labels is not None else (str(p) for p in self.layers))
-        return f"nested: {text}" if self.layout == "nested" else text
+        text = f"nested: {text}" if self.layout == "nested" else text
+        return text if self.configuration is None else f"{self.configuration.summary()}: {text}"
 
     def check(self, *, layers: int, tensor_names: Iterable[str]) -> None:
         """Raise :class:`SpecError` unless the plan fits a workload of this shape."""

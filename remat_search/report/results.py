@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.errors import NoFeasiblePlan
 from remat_search.measure.measurement import Measurement, relative_spread
+from remat_search.plans.configuration import cost as cost_of
 from remat_search.plans.plan import RematPlan
 from remat_search.store.attributes import (
     CACHED_ATTR,
@@ -172,6 +173,23 @@ class TrialResult(BaseModel):
         return confirmed if confirmed is not None else self.step_seconds
 
     @property
+    def cost(self) -> float | None:
+        """What plans are ranked by (:func:`rank`, the front): :attr:`seconds`, per token each
+        device trains on where the plan carries a configuration (:func:`configuration.cost`)."""
+        seconds = self.seconds
+        if seconds is None or self.plan is None:
+            return seconds
+        return cost_of(seconds, self.plan.configuration)
+
+    @property
+    def throughput(self) -> float | None:
+        """Tokens (examples, for a workload without sequences) per second per device, where the
+        plan carries a configuration; else None."""
+        if self.seconds is None or self.plan is None or self.plan.configuration is None:
+            return None
+        return self.plan.configuration.tokens_per_device / self.seconds
+
+    @property
     def time_source(self) -> Literal["confirmed", "search", "estimated"] | None:
         """Where :attr:`seconds` comes from."""
         if self.confirmed_seconds is not None:
@@ -309,25 +327,27 @@ def make_report(study: str, study_attrs: Mapping[str, Any], trials: Iterable[Tri
 def rank(t: TrialResult) -> tuple[float, int, int]:
     """The one order of timed plans, which every reader of a study ranks by (``best``, the
     front's fastest, ``studies``, the page, the plot's star): each plan's one time
-    (:attr:`TrialResult.seconds`), then its peak, then its trial number.
+    (:attr:`TrialResult.seconds`; per token, :attr:`TrialResult.cost`, in a study of
+    configurations), then its peak, then its trial number.
 
     A plan's one time is its confirmed time where the latest confirmation re-timed it, else the
     search's: the two are mixed in this order, in the study's anchor seconds, and every answer
     says which it is (:attr:`TrialResult.time_source`). Where a confirmation settled a budget
     (:class:`Settlement`), it re-timed plans until the first in this order was a re-timed one,
     so the answer there is confirmed unless its race budget ran out, which is said too."""
-    return (t.seconds, t.peak_bytes, t.number)  # type: ignore[return-value]
+    return (t.cost, t.peak_bytes, t.number)  # type: ignore[return-value]
 
 
 class Point(Protocol):
-    """What the front is judged by: a plan's peak, its one time and its trial number."""
+    """What the front is judged by: a plan's peak, its one time (per token, in a study of
+    configurations: :attr:`TrialResult.cost`) and its trial number."""
 
     @property
     def number(self) -> int: ...
     @property
     def peak_bytes(self) -> int | float | None: ...
     @property
-    def seconds(self) -> float | None: ...
+    def cost(self) -> float | None: ...
 
 
 P = TypeVar("P", bound=Point)
@@ -335,11 +355,11 @@ P = TypeVar("P", bound=Point)
 
 def pareto(trials: Sequence[P]) -> list[P]:
     """The plans no other plan beats in both peak and step time (each by its one time,
-    :attr:`TrialResult.seconds`), least memory first. Only plans that ran or were estimated
+    :attr:`TrialResult.seconds`, per token in a study of configurations), least memory first. Only plans that ran or were estimated
     within the study's budget take part: never a screened-out or over-budget one."""
     front: list[P] = []
-    for t in sorted(trials, key=lambda t: (t.peak_bytes, t.seconds, t.number)):
-        if not front or t.seconds < front[-1].seconds:  # type: ignore[operator]
+    for t in sorted(trials, key=lambda t: (t.peak_bytes, t.cost, t.number)):
+        if not front or t.cost < front[-1].cost:  # type: ignore[operator]
             front.append(t)
     return front
 

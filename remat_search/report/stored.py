@@ -70,7 +70,8 @@ class _Point(NamedTuple):
 
     trial_id: int
     number: int
-    seconds: float
+    cost: float
+    """The first objective: the step's seconds (per token, in a study of configurations)."""
     peak_bytes: float
 
 
@@ -225,9 +226,9 @@ class StoredStudy:
 
     def _front(self) -> list[TrialResult]:
         confirmed = self._confirmed()
-        ones = {i: t.seconds for i, t in confirmed.items() if t.seconds is not None}
+        ones = {i: t.cost for i, t in confirmed.items() if t.cost is not None}
         points = [
-            p._replace(seconds=ones[p.trial_id]) if p.trial_id in ones else p
+            p._replace(cost=ones[p.trial_id]) if p.trial_id in ones else p
             for p in (_Point(*row) for row in self._rows(_TIMED))
         ]
         loaded = dict(confirmed)
@@ -423,7 +424,7 @@ def _fits(t: TrialResult, budget: int | None) -> bool:
 
 def _consistent(t: TrialResult, p: _Point) -> TrialResult:
     """``t``, checked against the values it was placed by."""
-    if (t.seconds, t.peak_bytes) != (p.seconds, p.peak_bytes):
-        raise _Inconsistent(f"trial {t.number}: values {p.seconds, p.peak_bytes} != {t.seconds, t.peak_bytes}")
+    if (t.cost, t.peak_bytes) != (p.cost, p.peak_bytes):
+        raise _Inconsistent(f"trial {t.number}: values {p.cost, p.peak_bytes} != {t.cost, t.peak_bytes}")
     return t
 

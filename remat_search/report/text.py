@@ -47,10 +47,21 @@ def fastest_text(s: StudySummary) -> str:
 
 
 def step_text(t: TrialResult) -> str:
-    """A plan's one time as tables print it: ``80.3 ms ✓`` where confirmed, ``(est.)`` where estimated."""
+    """A plan's one time as tables print it: ``80.3 ms ✓`` where confirmed, ``(est.)`` where
+    estimated; with its throughput where it carries a configuration."""
     if t.seconds is None:
         return "—"
-    return format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": " (est.)"}.get(t.time_source or "", "")
+    text = format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": " (est.)"}.get(t.time_source or "", "")
+    return text if t.throughput is None else f"{text}, {throughput_text(t)}"
+
+
+def throughput_text(t: TrialResult) -> str:
+    """A candidate's throughput, ``12,345 tokens/s per device`` (examples where its workload has
+    no sequences); ``—`` for a plan without a configuration."""
+    if t.throughput is None or t.plan is None or t.plan.configuration is None:
+        return "—"
+    unit = "tokens" if t.plan.configuration.sequence > 1 else "examples"
+    return f"{t.throughput:,.0f} {unit}/s per device"
 
 
 def gflop_text(flops: float) -> str:

@@ -24,7 +24,7 @@ from remat_search.search.cost_model import CostModel, Prediction, cost_model, ke
 from remat_search.search.space import Space
 from remat_search.spec.loading import describe_validation_error
 from remat_search.spec.models import SpaceConfig
-from remat_search.store.attributes import LAYERS_ATTR
+from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR
 from remat_search.units import format_bytes, format_seconds
 
 
@@ -87,11 +87,18 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     measurement where it was measured, else its prediction) or no plan is predicted to fit:
     then that measured plan. The advice is never worse than the best measured plan.
 
-    Raises :class:`StorageError` for a study whose stored search space does not validate;
+    Raises :class:`SpecError` for a study of configurations (the model prices plans at one
+    batch and mesh); :class:`StorageError` for a study whose stored search space does not validate;
     :class:`NoFeasiblePlan` while the study cannot fit a model (it needs the uniform presets
     of two choices compiled and one plan timed), or when no plan is predicted to fit and no
     measured one fits.
     """
+    searched = study.attrs.get(SPEC_ATTR)
+    if isinstance(searched, dict) and searched.get("configuration"):
+        raise SpecError(
+            f"study: {study.name!r} searches configurations, which the planner's cost model does not "
+            "price yet (it prices plans at one batch and mesh); `best --budget` answers from what it measured"
+        )
     model, space = _model(study)
     if model is None:
         raise NoFeasiblePlan(

@@ -59,7 +59,7 @@ def measure(search: SearchState, asked: Asked, runner: Runner) -> None:
         with search.lock:  # the study's first anchored measurement sets its reference: one thread
             anchor = anchor_seconds(study, m) if spec.timing.anchor else None
         m = m.model_copy(update={"anchor_seconds": anchor})
-        record(study, trial, m, search.budget, search.storage, search.trial_id(trial))
+        record(study, trial, m, search.budget, search.storage, search.trial_id(trial), plan.configuration)
     except BaseException:
         search.interrupt(trial)
         raise

@@ -24,6 +24,7 @@ import optuna
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
 from remat_search.report.stored import open_study
+from remat_search.search.configurations import check_workload, configurations, sequence_of
 from remat_search.search.runners import resolve_budget
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
@@ -49,6 +50,9 @@ from remat_search.workloads.base import build_workload
 logger = logging.getLogger("remat_search")
 METRIC_NAMES = ("step seconds", "peak bytes")
 """The study's objectives as optuna (and optuna-dashboard) names them."""
+CONFIGURATION_METRIC_NAMES = ("step seconds per token per device", "peak bytes")
+"""The objectives of a study of configurations (``spec.configuration``): the first is the
+inverse of throughput."""
 INITIALIZED_ATTR = "initialized"
 """Set once a search has tied the study to its device and budget."""
 
@@ -60,6 +64,8 @@ class Opened(NamedTuple):
     study: optuna.Study
     storage: optuna.storages.RDBStorage
     budget: int
+    space: Space
+    """The space searched: with its configurations where the spec searches them."""
 
 
 def checked(spec: SearchSpec) -> tuple[SearchSpec, Space]:
@@ -72,12 +78,28 @@ def checked(spec: SearchSpec) -> tuple[SearchSpec, Space]:
     if attrs is not None:
         spec = _as_searched(spec, attrs)
         check_identity(spec, attrs)
+    check_workload(spec)
+    spec = _timed_alone(spec)
     workload = build_workload(spec.workload)
     space = Space.of(spec.space, workload.layers)
     space.check_names(workload.tensor_names)
     space.check_functions()
     check_sampler(spec.sampler)
     return spec, space
+
+
+def _timed_alone(spec: SearchSpec) -> SearchSpec:
+    """``spec`` with ``timing.anchor`` off where it searches configurations: the anchor (full
+    remat) of each configuration is another program, so times paired with it would not compare
+    across configurations; each candidate is timed alone. Asked for by name, that is an error."""
+    if spec.configuration is None or not spec.timing.anchor:
+        return spec
+    if "anchor" in spec.timing.model_fields_set:
+        raise SpecError(
+            "spec.timing.anchor: a study of configurations times each candidate alone (each "
+            "configuration's anchor is another program); set anchor: false or leave it out"
+        )
+    return spec.model_copy(update={"timing": spec.timing.model_copy(update={"anchor": False})})
 
 
 def _stored_attrs(spec: SearchSpec) -> dict[str, Any] | None:
@@ -128,6 +150,10 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo) -> Opened:
             "this machine compiles for cpu"
         )
     budget = resolve_budget(spec.budget, device)
+    if spec.configuration is not None:
+        space = space.with_configurations(configurations(
+            spec.configuration, devices=device.device_count, mesh=device.mesh, sequence=sequence_of(spec.workload),
+        ))
     storage = open_storage(
         spec.storage, create=True, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params)
     )
@@ -136,7 +162,7 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo) -> Opened:
         study, _ = _load(spec, storage)
         _tie(spec, study, space, device, budget)
         recover(study, storage, n_params=space.n_params)
-    return Opened(study, storage, budget)
+    return Opened(study, storage, budget, space)
 
 
 def _warn_untagged(spec: SearchSpec, device: DeviceInfo) -> None:
@@ -202,9 +228,11 @@ def _prepare(spec: SearchSpec, study: optuna.Study, space: Space) -> None:
     if not study.metric_names:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.set_metric_names(list(METRIC_NAMES))
+            study.set_metric_names(list(CONFIGURATION_METRIC_NAMES if spec.configuration else METRIC_NAMES))
     study.set_user_attr(SPEC_ATTR, stored_spec(spec))
     study.set_user_attr(LAYERS_ATTR, space.layers)
+    if spec.configuration is not None and not space.configurations:
+        return  # its configurations are known once a device tells its mesh: queued by the search
     queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]
     for params in space.presets():
         if params not in queued:

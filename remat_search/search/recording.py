@@ -1,6 +1,7 @@
 """Recording a measurement into its trial: the objectives, the budget constraint, the state.
 
-Each trial carries two objectives (median step seconds, peak bytes) and the budget as a
+Each trial carries two objectives (median step seconds, per token in a study of
+configurations; peak bytes) and the budget as a
 constraint (``peak / budget − 1``, feasible when ≤ 0). An anchored step time is the plan's
 median ratio to the anchor plan in the study's anchor seconds (:func:`anchor_seconds`), so the
 study's times compare across hours.
@@ -15,6 +16,7 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.measure.measurement import Measurement
+from remat_search.plans.configuration import Configuration, cost
 from remat_search.store.attributes import ANCHOR_ATTR, FAILURE_ATTR, MEASUREMENT_ATTR
 
 CONSTRAINTS_ATTR = "constraints"
@@ -23,9 +25,11 @@ CONSTRAINTS_ATTR = "constraints"
 
 def record(
     study: optuna.Study, trial: optuna.Trial, m: Measurement, budget: int,
-    storage: optuna.storages.RDBStorage, trial_id: int,
+    storage: optuna.storages.RDBStorage, trial_id: int, configuration: Configuration | None = None,
 ) -> None:
-    """Store a measurement, the budget constraint last, and finish the trial.
+    """Store a measurement, the budget constraint last, and finish the trial. In a study of
+    configurations the first objective is the step time per token each device trains on
+    (``configuration``: the plan's; see :func:`~remat_search.plans.configuration.cost`).
 
     A plan screened out is a prediction, not a measurement: its trial is PRUNED, with no
     objective values, so that nothing that reads the study's objectives (``best_trials``,
@@ -42,7 +46,7 @@ def record(
         study.tell(trial, state=TrialState.PRUNED)
         return
     assert m.peak_bytes is not None
-    seconds = m.step_seconds if m.status == "measured" else math.inf  # never run: no time
+    seconds = cost(m.step_seconds, configuration) if m.status == "measured" else math.inf  # never run: no time
     _constrain(m.peak_bytes / budget - 1.0, storage, trial_id)
     study.tell(trial, [seconds, float(m.peak_bytes)])
 

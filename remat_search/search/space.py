@@ -7,16 +7,18 @@ parameter, ``policy``); ``per_layer`` gives each layer its own (``layer_00``, ``
 ``nested: true`` one more parameter, ``layout``, picks ``flat`` or ``nested`` (recursive
 checkpointing). The uniform plan of every choice — the presets people pick by hand — is
 what :meth:`Space.presets` gives the search to queue first, so every study shows them beside
-what the search finds.
+what the search finds. A study that searches configurations (``spec.configuration``) has one
+more parameter, ``configuration``, choosing among them (:meth:`Space.with_configurations`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import import_function
 from remat_search.spec.models import SpaceConfig
@@ -28,6 +30,9 @@ if TYPE_CHECKING:  # optuna where a search walks the space: `plan` reads one wit
 LAYOUT_PARAM = "layout"
 """The parameter of a ``nested: true`` space that picks the plan's layout."""
 LAYOUTS = ("flat", "nested")
+CONFIGURATION_PARAM = "configuration"
+"""The parameter of a configuration study that picks the candidate's configuration, by its
+:meth:`Configuration.summary`."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,16 @@ class Space:
     ``segment_NN`` (segments); not the ``layout`` parameter of a nested space."""
     unit_layers: tuple[tuple[int, ...], ...]
     """For each of :attr:`units`, in order, the layer indices its choice applies to."""
+    configurations: tuple[Configuration, ...] = ()
+    """The configurations searched (none: the spec's own batch and mesh)."""
+
+    def with_configurations(self, configurations: tuple[Configuration, ...]) -> Space:
+        """This space with the ``configuration`` parameter choosing among ``configurations``."""
+        return replace(self, configurations=configurations)
+
+    @property
+    def configuration_labels(self) -> tuple[str, ...]:
+        return tuple(c.summary() for c in self.configurations)
 
     @classmethod
     def of(cls, config: SpaceConfig, layers: int) -> Space:
@@ -65,8 +80,9 @@ class Space:
 
     @property
     def n_params(self) -> int:
-        """How many parameters a trial sets: its units, and its layout if nested."""
-        return len(self.units) + (1 if self.config.nested else 0)
+        """How many parameters a trial sets: its units, its layout if nested, its configuration
+        if searched."""
+        return len(self.units) + (1 if self.config.nested else 0) + (1 if self.configurations else 0)
 
     def distributions(self) -> dict[str, BaseDistribution]:
         """Every parameter's optuna distribution."""
@@ -75,6 +91,8 @@ class Space:
         space: dict[str, BaseDistribution] = {u: CategoricalDistribution(self.labels) for u in self.units}
         if self.config.nested:
             space[LAYOUT_PARAM] = CategoricalDistribution(LAYOUTS)
+        if self.configurations:
+            space[CONFIGURATION_PARAM] = CategoricalDistribution(self.configuration_labels)
         return space
 
     def suggest(self, trial: optuna.Trial) -> RematPlan:
@@ -82,13 +100,18 @@ class Space:
         params = {name: trial.suggest_categorical(name, self.labels) for name in self.units}
         if self.config.nested:
             params[LAYOUT_PARAM] = trial.suggest_categorical(LAYOUT_PARAM, LAYOUTS)
+        if self.configurations:
+            params[CONFIGURATION_PARAM] = trial.suggest_categorical(CONFIGURATION_PARAM, self.configuration_labels)
         return self.plan(params)
 
     def params(self, choices: Sequence[str]) -> dict[str, str]:
-        """The trial parameters of the flat plan with ``choices``, one label per unit."""
+        """The trial parameters of the flat plan with ``choices``, one label per unit (at the
+        first configuration, where the space searches them)."""
         params = dict(zip(self.units, choices, strict=True))
         if self.config.nested:
             params[LAYOUT_PARAM] = "flat"
+        if self.configurations:
+            params[CONFIGURATION_PARAM] = self.configuration_labels[0]
         return params
 
     def plan(self, params: Mapping[str, Any]) -> RematPlan:
@@ -97,7 +120,10 @@ class Space:
         for name, unit in zip(self.units, self.unit_layers, strict=True):
             for i in unit:
                 policies[i] = self.config.policy(params[name])
-        return RematPlan(layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"))
+        configuration = None
+        if self.configurations:
+            configuration = self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
+        return RematPlan(layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"), configuration=configuration)
 
     def layer_labels(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         """The choice label of each layer under a trial's parameters (what tables print)."""
@@ -108,13 +134,15 @@ class Space:
         return tuple(labels)
 
     def choices(self, params: Mapping[str, Any]) -> tuple[str, ...] | None:
-        """The label of each unit of a flat plan's parameters; None for a nested or partial one."""
-        if params.get(LAYOUT_PARAM, "flat") != "flat" or not all(u in params for u in self.units):
+        """The label of each unit of a flat plan's parameters; None for a nested or partial one,
+        and in a space of configurations (the cost model prices plans at one batch and mesh)."""
+        if params.get(LAYOUT_PARAM, "flat") != "flat" or not all(u in params for u in self.units) or self.configurations:
             return None
         return tuple(str(params[u]) for u in self.units)
 
     def presets(self) -> list[dict[str, str]]:
-        """Trial parameters of the uniform plan of every choice, in the spec's order.
+        """Trial parameters of the uniform plan of every choice, in the spec's order (at the
+        first configuration, where the space searches them).
 
         A ``nested: true`` space's flat presets carry ``layout: flat``, and one more preset
         follows them: the nested plan with no policy inside (every layer on the first choice
@@ -124,7 +152,7 @@ class Space:
         presets = [self.params((label,) * len(self.units)) for label in self.labels]
         none = next((c.label for c in self.config.choices if not c.policy.checkpoints), None)
         if self.config.nested and none is not None:
-            presets.append({**dict.fromkeys(self.units, none), LAYOUT_PARAM: "nested"})
+            presets.append({**self.params((none,) * len(self.units)), LAYOUT_PARAM: "nested"})
         return presets
 
     def check_names(self, tensor_names: Iterable[str]) -> None:

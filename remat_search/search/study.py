@@ -27,7 +27,7 @@ from remat_search.store.attributes import SPEC_ATTR
 from remat_search.units import size_argument
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.
-IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh")
+IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh", "configuration")
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "device_order", "workload_fingerprint")
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
 SETTINGS_FIELDS = ("timing", "worker_memory", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")

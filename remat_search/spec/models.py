@@ -121,6 +121,40 @@ class SpaceConfig(Frozen):
         return next(c.policy for c in self.choices if c.label == label)
 
 
+class ConfigurationSpace(Frozen):
+    """The training configurations a study searches beside the plan (see
+    ``plans/configuration.py``): every per-device batch with every mesh, and, at a fixed global
+    batch, the accumulation that makes it up. Its objective is throughput: a trial's step time
+    per token each chip trains on (examples, for a workload without sequences)."""
+
+    batch: tuple[PositiveInt, ...] = Field(min_length=1)
+    """Per-device batch sizes to try (MaxText's ``per_device_batch_size``); with
+    ``global_batch``, the micro-batch of one accumulation step."""
+    global_batch: PositiveInt | None = None
+    """Examples one optimizer step trains on, fixed (null: each batch is one step's, with no
+    accumulation). Each micro-batch runs ``global_batch / (batch × data-parallel devices)``
+    accumulation steps; a pair of batch and mesh that does not divide it is left out."""
+    mesh: tuple[dict[MeshAxis, PositiveInt], ...] | Literal["all"] | None = None
+    """Meshes to try, each spanning the study's devices (those of ``spec.mesh``: the target's
+    chips); ``all``: every split of them over ``data`` and ``fsdp``; null: ``spec.mesh`` only."""
+
+    @field_validator("batch", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        """``batch: 8`` reads as ``[8]``."""
+        return (value,) if isinstance(value, int) else value
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _meshes(cls, value: Any) -> Any:
+        """One mesh (``{fsdp: 4}``) reads as a list of it; a word other than ``all`` is told in a line."""
+        if isinstance(value, dict):
+            return (value,)
+        if isinstance(value, str) and value != "all":
+            raise ValueError(f"expected a list of meshes such as [{{data: 2, fsdp: 2}}] or all, got {value!r}")
+        return value
+
+
 class SamplerConfig(Frozen):
     """Which optuna sampler proposes plans (constraint-aware ones learn from the budget)."""
 
@@ -244,6 +278,9 @@ class SearchSpec(Frozen):
     there at size 1. Axes are laid out as :data:`MESH_AXES` says, and the target's devices over
     them as ``jax.make_mesh`` orders them (``target.make_mesh``). Default: all of a TPU
     target's chips on ``data``; for ``local``, no mesh (one device)."""
+    configuration: ConfigurationSpace | None = None
+    """Batch, accumulation and mesh searched with the plan, by throughput (null: the
+    workload's batch and ``mesh``, searched by step time)."""
     sampler: SamplerConfig = SamplerConfig()
     timing: TimingConfig = TimingConfig()
     worker_memory: Bytes | None = None

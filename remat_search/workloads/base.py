@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import FactoryConfig, WorkloadConfig
 from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
@@ -236,6 +237,10 @@ class Workload(abc.ABC):
         """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``.
 
         Over a ``mesh`` the new state keeps the old one's shardings, so donation aliases it.
+        Where the plan's configuration accumulates ``k`` micro-batches, the batch is split into
+        ``k`` (example ``i`` into micro-batch ``i mod k``, which keeps each device's examples on
+        it) and the gradients of a ``lax.scan`` over them averaged before one update: the
+        loss and gradients of the whole batch, in a micro-batch's activations.
         """
         import jax
         import optax
@@ -243,10 +248,24 @@ class Workload(abc.ABC):
         from jax.sharding import PartitionSpec as P
 
         loss_fn, opt = self.loss(plan), self.optimizer()
+        k = plan.configuration.accumulation if plan.configuration is not None else 1
+
+        def gradients(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree]:
+            if k == 1:
+                return jax.value_and_grad(loss_fn)(params, batch)
+            micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), batch)
+
+            def add(total: tuple[jax.Array, PyTree], one: PyTree) -> tuple[tuple[jax.Array, PyTree], None]:
+                loss, grads = jax.value_and_grad(loss_fn)(params, one)
+                return (total[0] + loss, jax.tree.map(lambda t, g: t + g, total[1], grads)), None
+
+            zero = (jax.numpy.zeros((), jax.numpy.float32), jax.tree.map(jax.numpy.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(add, zero, micro)
+            return loss / k, jax.tree.map(lambda g: g / k, grads)
 
         def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
             params, opt_state = state
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            loss, grads = gradients(params, batch)
             updates, opt_state = opt.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -280,10 +299,16 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
 
 
-def build_workload(config: WorkloadConfig) -> Workload:
-    """Build the workload a spec describes; a bad factory raises :class:`WorkloadError`, a
-    ``params_from`` that is no Orbax checkpoint :class:`SpecError` (whether the model fits
-    the checkpoint is told by :func:`check_params_from`, once the workload has its mesh)."""
+def build_workload(config: WorkloadConfig, configuration: Configuration | None = None) -> Workload:
+    """Build the workload a spec describes, at ``configuration``'s global batch if given (one
+    step's examples over every device: a factory gets it as its ``batch`` argument); a bad
+    factory raises :class:`WorkloadError`, a ``params_from`` that is no Orbax checkpoint
+    :class:`SpecError` (whether the model fits the checkpoint is told by
+    :func:`check_params_from`, once the workload has its mesh)."""
+    if configuration is not None and isinstance(config, FactoryConfig):
+        config = config.model_copy(update={"args": {**config.args, "batch": configuration.global_batch}})
+    elif configuration is not None:
+        config = config.model_copy(update={"batch": configuration.global_batch})
     if isinstance(config, FactoryConfig):
         workload = _from_factory(config)
     else:

@@ -1,0 +1,124 @@
+"""Studies of configurations: batch, accumulation and mesh searched with the plan, ranked by
+throughput; the accumulated step is the whole batch's; bad configurations are one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import remat_search
+from remat_search.plans.configuration import Configuration
+from remat_search.plans.plan import RematPlan
+from remat_search.search.configurations import configurations
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import ConfigurationSpace
+from remat_search.spec.workloads import TransformerConfig
+from remat_search.targets.platform import compiler_options
+from remat_search.workloads.base import build_workload
+
+from tests.conftest import TINY_TRANSFORMER, spec_dict, write_spec
+
+SPACE = {"layout": "per_layer", "choices": ["none", "full"]}
+CONFIGURATION = {"batch": [2, 4], "global_batch": 8}
+
+
+def _step(configuration: Configuration | None, policy: str = "none") -> tuple[Any, Any]:
+    """The tiny transformer's first step at ``configuration`` (None: its own batch of 8, no
+    accumulation) on the same 8 examples: the new parameters and loss, and the compiled step."""
+    workload = build_workload(TransformerConfig(**{**TINY_TRANSFORMER, "batch": 8}), configuration)
+    plan = RematPlan.uniform(policy, workload.layers).model_copy(update={"configuration": configuration})
+    step = workload.step(plan)
+    compiled = step.lower(*workload.abstract_inputs()).compile(compiler_options=compiler_options("cpu") or None)
+    (params, _), loss = compiled(*workload.inputs(0))
+    return (jax.device_get(params), float(loss)), compiled
+
+
+def test_an_accumulated_step_trains_as_the_whole_batch_does_in_a_micro_batch_s_memory() -> None:
+    (whole, loss), one = _step(None)
+    peaks = {}
+    for batch, accumulation in ((4, 2), (2, 4)):
+        (params, accumulated_loss), compiled = _step(Configuration(batch=batch, accumulation=accumulation))
+        assert accumulated_loss == pytest.approx(loss, rel=1e-5)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        peaks[batch] = compiled.memory_analysis().temp_size_in_bytes
+    assert peaks[2] < peaks[4] < one.memory_analysis().temp_size_in_bytes
+
+
+def test_configurations_are_every_batch_with_every_mesh_that_divides_the_global_batch() -> None:
+    """The batch is split over data and fsdp, not tensor: over fsdp=2 × tensor=2 a micro-batch
+    of 4 makes 8 in one step, over 4 ways it cannot."""
+    every = configurations(ConfigurationSpace(batch=(1, 2, 4), global_batch=8, mesh="all"), devices=4, mesh=None, sequence=16)
+    assert [(c.batch, c.accumulation, c.mesh_axes) for c in every] == [
+        (1, 2, {"fsdp": 4}), (2, 1, {"fsdp": 4}),
+        (1, 2, {"data": 2, "fsdp": 2}), (2, 1, {"data": 2, "fsdp": 2}),
+        (1, 2, {"data": 4}), (2, 1, {"data": 4}),
+    ]
+    assert all(c.global_batch == 8 and c.tokens_per_device == 8 * 16 / 4 for c in every)
+    listed = ConfigurationSpace(batch=(1, 2, 4), global_batch=8, mesh=({"fsdp": 2, "tensor": 2},))
+    found = configurations(listed, devices=4, mesh=None, sequence=16)
+    assert [(c.batch, c.accumulation) for c in found] == [(1, 4), (2, 2), (4, 1)]
+    own = configurations(ConfigurationSpace(batch=(2, 4)), devices=1, mesh=None, sequence=1)
+    assert [(c.batch, c.accumulation, c.mesh) for c in own] == [(2, 1, ()), (4, 1, ())]
+
+
+def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_url: str, cli: Any) -> None:
+    """Every candidate carries one of the configurations; the presets run at the first; each
+    accumulated step passed the gradient check against full remat at its configuration; the
+    first objective is the step per token each device trains on, and `best` answers with the
+    candidate of the most tokens per second, configuration included, confirmed; `plan` says its
+    model cannot price configurations. Run again, the study resumes."""
+    spec = spec_dict(storage_url, space=SPACE, configuration=CONFIGURATION, trials=5, confirm={"top": 2, "rounds": 2})
+    report = remat_search.run(parse_spec(spec))
+    configured = {(t.plan.configuration.batch, t.plan.configuration.accumulation) for t in report.trials}
+    assert configured <= {(2, 4), (4, 2)}
+    presets = [t for t in report.trials if t.plan.is_uniform][:2]
+    assert [(t.plan.configuration.batch, t.labels[0]) for t in presets] == [(2, "none"), (2, "full")]
+    measured = [t for t in report.trials if t.status == "measured"]
+    assert measured and all(t.measurement.grad_rel_error <= 1e-3 for t in measured)
+
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    for trial in study.get_trials(states=(TrialState.COMPLETE,)):
+        t = next(r for r in report.trials if r.number == trial.number)
+        if t.status == "measured":
+            c = t.plan.configuration
+            assert trial.values[0] == t.step_seconds / (8 * TINY_TRANSFORMER["seq_len"] / c.devices)
+    best = report.best(report.budget)
+    assert best.confirmed is not None
+    assert best.throughput == max(t.throughput for t in report.timed())
+    answered = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url, "--json")
+    assert answered.exit_code == 0, answered.stderr
+    assert RematPlan.from_json(answered.stdout) == best.plan and best.plan.configuration is not None
+    shown = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
+    assert "tokens/s per device" in shown.stdout and best.plan.configuration.summary() in shown.stdout
+
+    planned = cli("plan", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
+    assert planned.exit_code == 2 and "searches configurations" in planned.stderr
+
+    again = remat_search.run(parse_spec({**spec, "trials": 6, "confirm": {"top": 0}}))
+    assert len(again.trials) == 6 and [t.plan for t in again.trials[:5]] == [t.plan for t in report.trials]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"configuration": {"batch": [2], "mesh": [{"data": 2}]}}, "spec.configuration.mesh.0: {'data': 2} spans 2 devices"),
+    ({"configuration": {"batch": [4], "global_batch": 6}}, "spec.configuration.global_batch: 6 is a multiple"),
+    ({"configuration": {"batch": [0]}}, "spec.configuration.batch.0"),
+    ({"configuration": {"batch": [2], "mesh": "some"}}, "spec.configuration.mesh"),
+    ({"configuration": {"batch": [2]}, "timing": {"anchor": True}}, "spec.timing.anchor: a study of configurations"),
+    ({"configuration": {"batch": [2]}, "workload": {"factory": "tests.factories:delayed", "args": {}}},
+     "spec.configuration: a factory workload's batch is its own"),
+])
+def test_bad_configurations_are_one_line_errors_and_nothing_is_written(
+    tmp_path: Path, storage_url: str, cli: Any, overrides: dict[str, Any], message: str,
+) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, space=SPACE, **overrides))
+    result = cli("run", str(spec))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not list(tmp_path.glob("*.db*"))
