@@ -274,3 +274,10 @@ def test_apply_nnx_finds_blocks_by_a_dotted_path() -> None:
     tokens = _workload().make_batch(jax.random.key(1))
     jaxpr = jax.make_jaxpr(lambda m: m(tokens))(model)
     assert sum(e.primitive.name in {"checkpoint", "remat2", "remat"} for e in jaxpr.eqns) == 3
+
+
+def test_a_spec_without_model_loss_dumps_as_before_it_existed() -> None:
+    """A study stored before ``model_loss`` existed keeps its identity (the spec's dump)."""
+    assert "model_loss" not in NnxConfig(**WORKLOAD).model_dump(mode="json")
+    named = NnxConfig(**WORKLOAD, model_loss="tests.workloads.test_nnx:squared_logits")
+    assert named.model_dump(mode="json")["model_loss"] == "tests.workloads.test_nnx:squared_logits"
