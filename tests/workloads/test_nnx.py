@@ -250,6 +250,8 @@ def test_apply_nnx_replaces_a_plan_it_applied_and_refuses_one_that_does_not_fit(
     remat_search.apply_nnx(model, RematPlan.uniform("full", 3))
     remat_search.apply_nnx(model, RematPlan.uniform("none", 3))
     assert [b.block for b in model.blocks] == blocks  # rewrapped, not wrapped twice
+    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert "blocks/0/block/qkv/kernel" in paths  # the parameters one level deeper
     with pytest.raises(SpecError, match=r"^plan: has 2 layers, the model has 3 blocks in 'blocks'$"):
         remat_search.apply_nnx(model, RematPlan.uniform("full", 2))
     with pytest.raises(SpecError, match="layout 'nested' is not supported for nnx models"):
