@@ -9,6 +9,7 @@ The public API::
     best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
     advice = remat_search.plan_for_budget("demo-transformer-cpu", 200 * 2**20)  # predicted
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
+    model = remat_search.apply_nnx(model, best.plan)      # a Flax NNX model's blocks, in place
 """
 
 import importlib
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from remat_search.targets.platform import compiler_options
     from remat_search.units import parse_bytes
     from remat_search.workloads.base import Workload, build_workload
+    from remat_search.workloads.nnx import apply_nnx
 
 _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
@@ -66,6 +68,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),
     **dict.fromkeys(('work',), "remat_search.service.worker"),
     **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workloads.base"),
+    **dict.fromkeys(('apply_nnx',), "remat_search.workloads.nnx"),
 }
 """Each public name and the module that defines it."""
 
@@ -92,6 +95,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "apply_layers",
+    "apply_nnx",
     "best_plan",
     "build_workload",
     "checkpoint_policy",

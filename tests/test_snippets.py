@@ -27,7 +27,7 @@ from remat_search.plans.plan import segments
 from remat_search.spec.loading import parse_spec
 from tests.conftest import REPO, spec_dict
 
-SNIPPETS = ["linen-unrolled", "linen-scanned", "nnx-unrolled", "nnx-scanned", "jax-unrolled", "jax-scanned"]
+SNIPPETS = ["linen-unrolled", "linen-scanned", "nnx-unrolled", "nnx-scanned", "nnx-apply", "jax-unrolled", "jax-scanned"]
 MIXED = rs.RematPlan(layers=[{"kind": "full"}, {"kind": "full"}, {"kind": "none"}, {"kind": "dots"}])
 NONE = rs.RematPlan.uniform("none", 4)
 

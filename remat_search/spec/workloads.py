@@ -4,7 +4,7 @@ factory's, with the mesh axes and logical axis rules they are sharded by."""
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -14,6 +14,7 @@ from pydantic import (
     PositiveInt,
     SerializerFunctionWrapHandler,
     Tag,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -37,12 +38,18 @@ class _WorkloadConfig(Frozen):
         """Kept absolute: a study's workers may start from another working directory."""
         return None if value is None else os.path.abspath(os.path.expanduser(value))
 
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from",)
+    """Fields added after studies were stored: left out of the dump while null."""
+
     @model_serializer(mode="wrap")
-    def _without_unset_params_from(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No ``params_from: null``: a study stored before the field existed keeps its identity."""
+    def _without_unset_new_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``params_from: null`` (nor another field of :attr:`_omitted_when_unset`): a study
+        stored before the field existed keeps its identity."""
         data = handler(self)
-        if isinstance(data, dict) and data.get("params_from") is None:
-            data.pop("params_from", None)
+        if isinstance(data, dict):
+            for name in self._omitted_when_unset:
+                if data.get(name, 0) is None:
+                    data.pop(name)
         return data
 
 
@@ -166,11 +173,22 @@ class NnxConfig(_WorkloadConfig):
     int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
     loss: str | None = None
     """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
+    model_loss: str | None = None
+    """Or the model's own loss, ``"package.module:function"``: ``fn(model, tokens) -> scalar``,
+    given the model with its blocks checkpointed (it calls the model itself). Not with ``loss``."""
     logical_axis_rules: AxisRules | None = None
     """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
     mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
 
-    _import_paths = field_validator("model", "loss")(lambda value: _import_path(value))
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from", "model_loss")
+    _import_paths = field_validator("model", "loss", "model_loss")(lambda value: _import_path(value))
+
+    @field_validator("model_loss")
+    @classmethod
+    def _one_loss(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("loss") is not None:
+            raise ValueError("give loss (fn(logits, tokens)) or model_loss (fn(model, tokens)), not both")
+        return value
 
     @field_validator("blocks")
     @classmethod

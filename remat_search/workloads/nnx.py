@@ -11,10 +11,14 @@ which tracing checks: a block it never calls is a :class:`WorkloadError`.
 
 The parameters are the model's own (``nnx.state(model, nnx.Param)`` as a plain dict); the
 batch is random int32 tokens ``[batch, seq_len]``; the loss is next-token cross-entropy of
-``model(tokens)``'s logits, or a named ``fn(logits, tokens) -> scalar``. ``tensor_names`` are
+``model(tokens)``'s logits, or a named ``fn(logits, tokens) -> scalar`` (``loss``), or the
+model's own ``fn(model, tokens) -> scalar`` (``model_loss``), given the wrapped model. ``tensor_names`` are
 the ``checkpoint_name`` tags the traced program emits, found by tracing, not declared.
 Unrolled blocks and ``flat`` plans only: the model runs its chain itself, so a ``nested``
 plan cannot regroup it.
+
+:func:`apply_nnx` applies a plan to a trainer's model through the same wrapping
+(:func:`wrap_blocks`), so the program it trains is the one the search measured.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,8 @@ from remat_search.workloads.base import PyTree, Workload, next_token_loss
 from remat_search.workloads.sharding import flax_tracing, rule_targets
 from remat_search.workloads.tracing import traced_names
 
+M = TypeVar("M", bound=nnx.Module)
+
 
 class Checkpointed(nnx.Module):
     """A block called through ``wrap`` (``fn -> jax.checkpoint(fn, policy=...)``): its
@@ -45,13 +51,14 @@ class Checkpointed(nnx.Module):
     block's updated variables (an RNG count, statistics) are written back after the call."""
 
     def __init__(self, block: nnx.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
-                 on_call: Callable[[], None]) -> None:
+                 on_call: Callable[[], None] | None = None) -> None:
         self.block = block
         self._wrap = wrap
         self._on_call = on_call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._on_call()
+        if self._on_call is not None:
+            self._on_call()
         leaves, tree = jax.tree.flatten((args, kwargs))
         dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
         graphdef, state = nnx.split(self.block)
@@ -67,6 +74,79 @@ class Checkpointed(nnx.Module):
         out, new_state = self._wrap(pure)(state, [leaves[i] for i in dynamic])
         nnx.update(self.block, new_state)
         return out
+
+
+def find_blocks(model: nnx.Module, path: str, *, field: str) -> tuple[Any, str, Any]:
+    """``(owner, attribute, blocks)``: the list of blocks at the attribute ``path`` (dotted:
+    ``decoder.layers``) of ``model`` and where it hangs; else a one-line :class:`WorkloadError`
+    naming ``field`` (the spec's ``workload.blocks``, or ``apply_nnx``'s ``blocks``)."""
+    owner, parents = [model], path.split(".")
+    for i, name in enumerate(parents):
+        if not hasattr(owner[-1], name):
+            held = sorted(k for k in vars(owner[-1]) if not k.startswith("_"))
+            raise WorkloadError(
+                f"{field}: {type(owner[-1]).__name__} has no attribute {'.'.join(parents[: i + 1])!r}"
+                f" (it has {held})"
+            )
+        owner.append(getattr(owner[-1], name))
+    blocks = owner[-1]
+    if not isinstance(blocks, (list, tuple, nnx.List)) or not len(blocks) or not all(
+        isinstance(b, nnx.Module) for b in blocks
+    ):
+        raise WorkloadError(
+            f"{field}: {path!r} is {type(blocks).__name__}, expected a non-empty list of the "
+            "nnx.Modules the model's __call__ runs (an nnx.List or a list)"
+        )
+    return owner[-2], parents[-1], blocks
+
+
+def wrap_blocks(model: nnx.Module, plan: RematPlan, path: str, *, field: str) -> list[int]:
+    """Replace, in place, each block of the list at ``path`` in ``model`` by a
+    :class:`Checkpointed` one that calls it with its layer's policy of ``plan`` (a block
+    already wrapped is rewrapped, not wrapped twice). Returns each block's count of calls,
+    which grows as the model runs, so a caller can tell a block the model never ran.
+
+    The one wrapping of an NNX model: the search measures a plan through it and
+    :func:`apply_nnx` applies one through it, so the program a trainer runs is the measured one."""
+    if plan.layout != "flat":
+        raise SpecError(
+            f"plan: layout {plan.layout!r} is not supported for nnx models, which run their blocks "
+            "themselves; use layout 'flat' (space.nested: false)"
+        )
+    owner, attribute, blocks = find_blocks(model, path, field=field)
+    if len(plan.layers) != len(blocks):
+        raise SpecError(f"plan: has {len(plan.layers)} layers, the model has {len(blocks)} blocks in {path!r}")
+    calls = [0] * len(blocks)
+
+    def counter(i: int) -> Callable[[], None]:
+        return lambda: calls.__setitem__(i, calls[i] + 1)
+
+    wrapped = [
+        Checkpointed(b.block if isinstance(b, Checkpointed) else b, functools.partial(plan.wrap, layer=i), counter(i))
+        for i, b in enumerate(blocks)
+    ]
+    if isinstance(blocks, tuple):
+        setattr(owner, attribute, tuple(wrapped))
+    else:
+        for i, w in enumerate(wrapped):
+            blocks[i] = w
+    return calls
+
+
+def apply_nnx(model: M, plan: RematPlan, *, blocks: str = "blocks") -> M:
+    """Checkpoint each block of ``model`` with its layer's policy of ``plan``, in place, with
+    no edit to the model's code; returns ``model`` itself.
+
+    ``blocks`` is the attribute (a dotted path: ``decoder.layers``) holding the list of blocks
+    the model's ``__call__`` runs, as the spec's ``workload.blocks``; ``plan`` has one layer a
+    block (:func:`remat_search.best_plan`'s ``.plan``, or :meth:`RematPlan.from_json`). Each
+    block becomes a :class:`Checkpointed` one, as when the search measured the plan, so the
+    model's parameters sit one level deeper (``blocks/0/block/...``): load a checkpoint before
+    applying a plan. Applying another plan replaces the first. A plan of another length, or a
+    ``nested`` one, is a :class:`SpecError`; a ``blocks`` that is no list of modules a
+    :class:`WorkloadError`."""
+    wrap_blocks(model, plan, blocks, field="blocks")
+    return model
 
 
 def _takes_rngs(constructor: Callable[..., Any]) -> bool:
@@ -85,8 +165,9 @@ class NnxWorkload(Workload):
         self.name = f"nnx {config.model}"
         self._constructor = import_object(config.model, "workload.model")
         self._loss_of_logits = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
+        self._model_loss = import_object(config.model_loss, "workload.model_loss") if config.model_loss else None
         abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
-        self.layers = len(self._blocks(abstract)[2])
+        self.layers = len(find_blocks(abstract, config.blocks, field="workload.blocks")[2])
         self._partitioning = self._read_partitioning(nnx.state(abstract, nnx.Param))
         self._graphdef, self._params_shape, rest = nnx.split(abstract, nnx.Param, ...)
         self._stateless = not jax.tree.leaves(rest)
@@ -109,28 +190,6 @@ class NnxWorkload(Workload):
                 f"workload.model: {self.config.model!r} returned {type(model).__name__}, expected a flax.nnx.Module"
             )
         return model
-
-    def _blocks(self, model: nnx.Module) -> tuple[Any, str, Any]:
-        """``(owner, attribute, blocks)``: the list at ``config.blocks`` and where it hangs."""
-        path = self.config.blocks
-        owner, parents = [model], path.split(".")
-        for i, name in enumerate(parents):
-            if not hasattr(owner[-1], name):
-                held = sorted(k for k in vars(owner[-1]) if not k.startswith("_"))
-                raise WorkloadError(
-                    f"workload.blocks: {type(owner[-1]).__name__} has no attribute {'.'.join(parents[: i + 1])!r}"
-                    f" (it has {held})"
-                )
-            owner.append(getattr(owner[-1], name))
-        blocks = owner[-1]
-        if not isinstance(blocks, (list, tuple, nnx.List)) or not len(blocks) or not all(
-            isinstance(b, nnx.Module) for b in blocks
-        ):
-            raise WorkloadError(
-                f"workload.blocks: {path!r} is {type(blocks).__name__}, expected a non-empty list of the "
-                "nnx.Modules the model's __call__ runs (an nnx.List or a list)"
-            )
-        return owner[-2], parents[-1], blocks
 
     def _read_partitioning(self, params: nnx.State) -> PyTree | None:
         """Each parameter's ``out_sharding`` metadata (``nnx.with_partitioning``) as a
@@ -167,11 +226,11 @@ class NnxWorkload(Workload):
     def forward(self, plan: RematPlan, params: PyTree, tokens: jax.Array) -> Any:
         """``model(tokens)`` with ``params`` and each block checkpointed by ``plan``: the
         model's own ``__call__``, its blocks replaced by :class:`Checkpointed` ones."""
-        if plan.layout != "flat":
-            raise SpecError(
-                f"plan: layout {plan.layout!r} is not supported for nnx models, which run their blocks "
-                "themselves; use layout 'flat' (space.nested: false)"
-            )
+        return self._run(plan, params, lambda model: model(tokens))
+
+    def _run(self, plan: RematPlan, params: PyTree, call: Callable[[nnx.Module], Any]) -> Any:
+        """``call(model)``, the model holding ``params`` and its blocks wrapped by ``plan``
+        (:func:`wrap_blocks`); a block the call never ran is a :class:`WorkloadError`."""
         if len(plan.layers) != self.layers:
             raise SpecError(f"plan: has {len(plan.layers)} layers, the workload has {self.layers}")
         if self._stateless:
@@ -183,21 +242,8 @@ class NnxWorkload(Workload):
             state = nnx.state(model, nnx.Param)
             nnx.replace_by_pure_dict(state, params)
             nnx.update(model, state)
-        owner, attribute, blocks = self._blocks(model)
-        calls = [0] * len(blocks)
-
-        def counter(i: int) -> Callable[[], None]:
-            return lambda: calls.__setitem__(i, calls[i] + 1)
-
-        wrapped = [
-            Checkpointed(b, functools.partial(plan.wrap, layer=i), counter(i)) for i, b in enumerate(blocks)
-        ]
-        if isinstance(blocks, tuple):
-            setattr(owner, attribute, tuple(wrapped))
-        else:
-            for i, w in enumerate(wrapped):
-                blocks[i] = w
-        out = model(tokens)
+        calls = wrap_blocks(model, plan, self.config.blocks, field="workload.blocks")
+        out = call(model)
         missed = [i for i, n in enumerate(calls) if n == 0]
         if missed:
             raise WorkloadError(
@@ -207,7 +253,13 @@ class NnxWorkload(Workload):
         return out
 
     def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
+        """The scalar loss: ``workload.model_loss(model, tokens)`` on the wrapped model where
+        the spec names one, else ``workload.loss`` (or next-token cross-entropy) of its logits."""
+        model_loss = self._model_loss
+
         def loss_fn(params: PyTree, tokens: jax.Array) -> jax.Array:
+            if model_loss is not None:
+                return self._run(plan, params, lambda model: model_loss(model, tokens))
             return self._loss_of_logits(self.forward(plan, params, tokens), tokens)
 
         return loss_fn
@@ -220,8 +272,8 @@ class NnxWorkload(Workload):
         tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32)
         plan = RematPlan.uniform("none", self.layers)
         try:
-            logits = jax.eval_shape(functools.partial(self.forward, plan), params, tokens)
-            if c.loss is None and getattr(logits, "shape", None) != (c.batch, c.seq_len, c.vocab):
+            logits = None if c.model_loss else jax.eval_shape(functools.partial(self.forward, plan), params, tokens)
+            if c.loss is None and c.model_loss is None and getattr(logits, "shape", None) != (c.batch, c.seq_len, c.vocab):
                 raise WorkloadError(
                     f"workload.model: model(tokens) returned {getattr(logits, 'shape', type(logits).__name__)}, "
                     f"the default loss expects logits of shape {[c.batch, c.seq_len, c.vocab]} "
@@ -233,6 +285,8 @@ class NnxWorkload(Workload):
         except Exception as e:  # noqa: BLE001 - the user's model or loss fails to trace
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise WorkloadError(f"workload: {c.model!r} does not trace ({type(e).__name__}: {first})") from None
-        if jaxpr.out_avals[0].shape != ():
-            raise WorkloadError(f"workload.loss: returned shape {list(jaxpr.out_avals[0].shape)}, expected a scalar")
+        if len(jaxpr.out_avals) != 1 or jaxpr.out_avals[0].shape != ():
+            field = "workload.model_loss" if c.model_loss else "workload.loss"
+            got = f"shape {list(jaxpr.out_avals[0].shape)}" if len(jaxpr.out_avals) == 1 else f"{len(jaxpr.out_avals)} values"
+            raise WorkloadError(f"{field}: returned {got}, expected a scalar")
         return traced_names(jaxpr)

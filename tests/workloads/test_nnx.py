@@ -9,12 +9,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import remat_search
 from remat_search.errors import SpecError, WorkloadError
-from remat_search.workloads.nnx import NnxWorkload
+from remat_search.measure.executables import INPUT_SEED
+from remat_search.workloads.base import next_token_loss
+from remat_search.workloads.nnx import Checkpointed, NnxWorkload
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
 from remat_search.spec.models import SearchSpec
@@ -114,6 +117,31 @@ def mean_logit(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.mean(logits)
 
 
+def squared_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """A model's own loss named in a spec (``model_loss: tests.workloads.test_nnx:squared_logits``)."""
+    return jnp.mean(model(tokens) ** 2)
+
+
+def logits_of(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """A model loss that forgets to reduce: not a scalar."""
+    return model(tokens)
+
+
+def test_a_search_trains_the_model_s_own_loss(storage_url: str) -> None:
+    workload = {**WORKLOAD, "model_loss": "tests.workloads.test_nnx:squared_logits"}
+    spec = SearchSpec.model_validate(spec_dict(
+        storage_url, study="own-loss", workload=workload, space={"layout": "uniform", "choices": ["full"]},
+        trials=1, confirm={"top": 0},
+    ))
+    (trial,) = remat_search.run(spec).trials
+    assert trial.measurement is not None and trial.measurement.status == "measured", trial.error
+    params_key, batch_key = jax.random.split(jax.random.key(INPUT_SEED))  # the inputs the first step ran on
+    model = Decoder(**ARGS, rngs=nnx.Rngs(params_key))
+    tokens = _workload().make_batch(batch_key)
+    assert trial.measurement.first_loss == pytest.approx(float(jnp.mean(model(tokens) ** 2)), rel=1e-5)
+    assert trial.measurement.first_loss != pytest.approx(float(next_token_loss(model(tokens), tokens)), rel=1e-2)
+
+
 def test_a_nested_plan_is_refused(decoder: Any) -> None:
     workload, _ = decoder
     (params, _), tokens = workload.inputs()
@@ -134,6 +162,10 @@ BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
     ("logits of another shape", {"vocab": 65}, "the default loss expects logits of shape [4, 16, 65]"),
     ("nested", {}, "space.nested: an nnx model runs its blocks itself"),
     ("model path", {"model": "tests.models.nnx_decoder.Decoder"}, "spec.workload.model: expected an import path 'package.module:Name'"),
+    ("both losses", {"loss": "tests.workloads.test_nnx:mean_logit", "model_loss": "tests.workloads.test_nnx:squared_logits"},
+     "spec.workload.model_loss: give loss (fn(logits, tokens)) or model_loss (fn(model, tokens)), not both"),
+    ("model loss not a scalar", {"model_loss": "tests.workloads.test_nnx:logits_of"},
+     "workload.model_loss: returned shape [4, 16, 64], expected a scalar"),
 ]
 
 
@@ -162,3 +194,92 @@ def test_a_choice_naming_a_tag_the_model_does_not_emit_is_refused(cli, tmp_path:
 def test_errors_are_workload_errors() -> None:
     with pytest.raises(WorkloadError, match="has no attribute 'layers'"):
         _workload(blocks="layers")
+
+
+def _train_step_memory(model: nnx.Module, tokens: jax.Array) -> remat_search.MemoryBreakdown:
+    """The memory of a trainer's jitted AdamW step on ``model`` (its state donated), compiled
+    as remat-search compiles a plan on this platform."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = optax.adamw(1e-3)
+
+    def train_step(state: Any, tokens: jax.Array) -> Any:
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest)(tokens), tokens))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    lowered = jax.jit(train_step, donate_argnums=0).lower((params, opt.init(params)), tokens)
+    compiled = lowered.compile(compiler_options=remat_search.compiler_options(jax.default_backend()))
+    return remat_search.MemoryBreakdown.of(compiled, platform=jax.default_backend())
+
+
+def test_apply_nnx_trains_each_measured_plan_with_its_measured_memory_and_the_model_s_gradients(
+    storage_url: str,
+) -> None:
+    spec = SearchSpec.model_validate(spec_dict(
+        storage_url, study="apply", workload=WORKLOAD, space={"layout": "per_layer", "choices": ["none", "full"]},
+        trials=4, confirm={"top": 0},
+    ))
+    trials = [t for t in remat_search.run(spec).trials if t.measurement is not None and t.status == "measured"]
+    summaries = {t.plan.summary() for t in trials if t.plan is not None}
+    assert {"none×3", "full×3"} < summaries, summaries  # and at least one plan that mixes them
+    tokens = _workload().make_batch(jax.random.key(1))
+
+    def loss_fn(model: nnx.Module) -> jax.Array:
+        return next_token_loss(model(tokens), tokens)
+
+    plain = Decoder(**ARGS, rngs=nnx.Rngs(0))
+    plain_loss, plain_grads = nnx.jit(nnx.value_and_grad(loss_fn))(plain)
+    for trial in trials:
+        assert trial.plan is not None and trial.measurement is not None
+        model = Decoder(**ARGS, rngs=nnx.Rngs(0))
+        assert remat_search.apply_nnx(model, trial.plan) is model
+        assert all(isinstance(b, Checkpointed) for b in model.blocks)
+        assert _train_step_memory(model, tokens) == trial.measurement.memory, trial.plan.summary()
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
+        assert float(loss) == pytest.approx(float(plain_loss), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    full, none = (next(t for t in trials if t.plan is not None and t.plan.summary() == s) for s in ("full×3", "none×3"))
+    assert full.peak_bytes is not None and none.peak_bytes is not None and full.peak_bytes < none.peak_bytes
+
+
+def test_apply_nnx_replaces_a_plan_it_applied_and_refuses_one_that_does_not_fit() -> None:
+    model = Decoder(**ARGS, rngs=nnx.Rngs(0))
+    blocks = list(model.blocks)
+    remat_search.apply_nnx(model, RematPlan.uniform("full", 3))
+    remat_search.apply_nnx(model, RematPlan.uniform("none", 3))
+    assert [b.block for b in model.blocks] == blocks  # rewrapped, not wrapped twice
+    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert "blocks/0/block/qkv/kernel" in paths  # the parameters one level deeper
+    with pytest.raises(SpecError, match=r"^plan: has 2 layers, the model has 3 blocks in 'blocks'$"):
+        remat_search.apply_nnx(model, RematPlan.uniform("full", 2))
+    with pytest.raises(SpecError, match="layout 'nested' is not supported for nnx models"):
+        remat_search.apply_nnx(model, RematPlan(layers=RematPlan.uniform("full", 3).layers, layout="nested"))
+    with pytest.raises(WorkloadError, match=r"^blocks: Decoder has no attribute 'layers' \(it has \["):
+        remat_search.apply_nnx(model, RematPlan.uniform("full", 3), blocks="layers")
+
+
+class Nested(nnx.Module):
+    """A model holding its blocks one attribute down (``decoder.blocks``)."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.decoder = Decoder(**ARGS, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.decoder(tokens)
+
+
+def test_apply_nnx_finds_blocks_by_a_dotted_path() -> None:
+    model = remat_search.apply_nnx(Nested(rngs=nnx.Rngs(0)), RematPlan.uniform("full", 3), blocks="decoder.blocks")
+    assert all(isinstance(b, Checkpointed) for b in model.decoder.blocks)
+    tokens = _workload().make_batch(jax.random.key(1))
+    jaxpr = jax.make_jaxpr(lambda m: m(tokens))(model)
+    assert sum(e.primitive.name in {"checkpoint", "remat2", "remat"} for e in jaxpr.eqns) == 3
+
+
+def test_a_spec_without_model_loss_dumps_as_before_it_existed() -> None:
+    """A study stored before ``model_loss`` existed keeps its identity (the spec's dump)."""
+    assert "model_loss" not in NnxConfig(**WORKLOAD).model_dump(mode="json")
+    named = NnxConfig(**WORKLOAD, model_loss="tests.workloads.test_nnx:squared_logits")
+    assert named.model_dump(mode="json")["model_loss"] == "tests.workloads.test_nnx:squared_logits"
