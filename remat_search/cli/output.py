@@ -233,9 +233,10 @@ def advice_table(advice: Advice) -> Group:
     return Group(header, table)
 
 
-def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> list[str]:
+def progress_lines(p: Progress, study: str, *, budget_given: bool = True, budget_text: str | None = None) -> list[str]:
     """What a search's or a confirmation's event says, as lines (a trial's: :func:`report.text.trial_line`).
-    ``budget_given``: the spec gave a budget (already echoed), else the device's is said here."""
+    ``budget_given``: the spec gave the budget in bytes (already echoed), else the budget the
+    search resolved is said here, beside ``budget_text`` as the spec wrote it (``70%``, ``device``)."""
     if p.event == "start" and p.device is not None and p.budget is not None:
         d = p.device
         lines = [
@@ -248,7 +249,7 @@ def progress_lines(p: Progress, study: str, *, budget_given: bool = True) -> lis
         if d.shardings:
             lines.append(sharding_line(d.mesh, d.shardings, d.device_order))
         if not budget_given:
-            lines.append(budget_line(None, p.budget))
+            lines.append(budget_line(budget_text, p.budget))
         if p.done >= p.total:
             lines.append(
                 f"all {p.total} trials of the spec are stored: nothing to measure, the results below are the "

@@ -16,8 +16,10 @@ import typer
 from remat_search.cli import flags, output
 from remat_search.cli.flags import BudgetOption, PlotOption, StorageOption, StudyOption
 from remat_search.errors import SpecError
+from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.text import (
     answer_note,
+    budget_line,
     describe_trial,
     front_json,
     no_trial_text,
@@ -174,6 +176,9 @@ def show(
         raise SpecError(f"--trial: {no_trial_text(stored.name, trial, sum(count.values()))}")
     if trial is None:
         output.console.print(output.trials_table(f"Trials of {stored.name!r}", trials, budget=stored.budget))
+        written = (stored.attrs.get(SPEC_ATTR) or {}).get("budget")
+        if isinstance(written, str) and stored.budget:  # a share (70%): what it came to
+            output.console.print(budget_line(written, stored.budget), highlight=False, markup=False)
         if note := time_models_note(trials):
             output.note(note)
     else:

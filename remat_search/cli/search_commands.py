@@ -54,7 +54,7 @@ def run(
 
     loaded = load_spec(spec, storage=storage, workers=flags.workers(workers))
     _importable_from(spec)
-    if loaded.budget is not None:
+    if isinstance(loaded.budget, int):  # a share (70%) is said once the search has compiled no remat
         output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
         report = _search(loaded)
@@ -98,7 +98,9 @@ def _search(loaded: Any) -> Any:
     def lines(p: Any) -> list[str]:
         if p.event == "result":
             return [trial_line(p.trial, p.done, p.total)]
-        return output.progress_lines(p, loaded.study, budget_given=loaded.budget is not None)
+        return output.progress_lines(
+            p, loaded.study, budget_given=isinstance(loaded.budget, int), budget_text=loaded.budget_text
+        )
 
     if not output.console.is_terminal:
         with output.library_notes():

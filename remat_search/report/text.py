@@ -71,9 +71,15 @@ def gflop_text(flops: float) -> str:
 
 def budget_line(written: str | None, budget: int) -> str:
     """The budget as understood: ``budget 38MiB`` where the spec wrote it in binary units, else
-    what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes)."""
+    what it wrote and what that is (``budget 38mb = 36.2 MiB``: decimal megabytes; ``budget
+    70% of no remat's peak (25.1 MiB)``; ``budget device = 15.7 GiB: the device's memory``)."""
     if written is None:
         return f"budget {format_bytes(budget)}: the device's memory (the spec gives no budget)"
+    written = written.strip()
+    if written == "device":
+        return f"budget device = {format_bytes(budget)}: the device's memory"
+    if written.endswith("%"):
+        return f"budget {written} of no remat's peak ({format_bytes(budget)})"
     if re.search(r"\d\s*[KMGT]iB$", written.strip(), re.IGNORECASE):
         return f"budget {written}"
     return f"budget {written} = {format_bytes(budget)}"

@@ -44,7 +44,7 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
         device = runners[0].describe()  # the others start in their threads
-        study, storage, budget, space = opened(spec, space, device)
+        study, storage, budget, space = opened(spec, space, device, runners[0])
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))
         work(SearchState(spec, budget, study, space, storage, device, tell), runners)
         keep_cost_model(study, space)  # what `plan` answers from, until the study has more trials

@@ -23,9 +23,10 @@ import optuna
 
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
+from remat_search.measure.runner import Runner
 from remat_search.report.stored import open_study
 from remat_search.search.configurations import check_workload, configurations, sequence_of
-from remat_search.search.runners import resolve_budget
+from remat_search.search.runners import resolve_budget, share_bytes
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
 from remat_search.search.study import (
@@ -38,6 +39,7 @@ from remat_search.search.study import (
     settings_of,
     stored_spec,
 )
+from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.store import cache
@@ -136,10 +138,12 @@ def submitted(spec: SearchSpec, space: Space) -> tuple[optuna.Study, optuna.stor
     return study, storage, created
 
 
-def opened(spec: SearchSpec, space: Space, device: DeviceInfo) -> Opened:
-    """``spec``'s study open for a search on ``device`` (``spec`` and ``space`` as
-    :func:`checked` returned them): the spec checked against the device, the study loaded or
-    created, refused if it is tied to another device or budget or measured with other
+def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -> Opened:
+    """``spec``'s study open for a search on ``device``, whose worker is ``runner`` (``spec``
+    and ``space`` as :func:`checked` returned them): the spec checked against the device, its
+    budget resolved to bytes (a share such as ``70%`` of the no-remat plan's peak, which
+    ``runner`` compiles first), the study loaded or created, refused if it is tied to another
+    device or budget or measured with other
     :data:`~remat_search.search.study.FIXED_SETTINGS`, then prepared, tied to this device and
     budget, given its sampler, and its dead trials taken back."""
     _warn_untagged(spec, device)
@@ -149,7 +153,10 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo) -> Opened:
             f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
             "this machine compiles for cpu"
         )
-    budget = resolve_budget(spec.budget, device)
+    asked = spec.budget
+    if isinstance(asked, Share):  # before the study is tied to its budget
+        asked = share_bytes(asked, spec, runner, space.layers)
+    budget = resolve_budget(asked, device)
     if spec.configuration is not None:
         space = space.with_configurations(configurations(
             spec.configuration, devices=device.device_count, mesh=device.mesh, sequence=sequence_of(spec.workload),

@@ -11,10 +11,12 @@ import os
 
 import psutil
 
-from remat_search.errors import SpecError
+from remat_search.errors import SpecError, WorkloadError
 from remat_search.measure.artifacts import ARTIFACTS
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
+from remat_search.plans.plan import RematPlan
+from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
 from remat_search.store.location import storage_home
 from remat_search.units import format_bytes
@@ -62,3 +64,17 @@ def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
             f"{device.device_kind} device has for a program; leave budget out to use all of it"
         )
     return budget
+
+
+def share_bytes(share: Share, spec: SearchSpec, runner: Runner, layers: int) -> int:
+    """The bytes ``share`` (the spec's budget, ``70%``) is of the compiled peak of the uniform
+    no-remat plan over ``layers`` layers, compiled by ``runner`` and never run (a budget of
+    one byte: every plan is over it)."""
+    plan = RematPlan.uniform("none", layers)
+    m = runner.measure(plan, budget=1, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
+    if m.peak_bytes is None:
+        raise WorkloadError(
+            f"spec.budget: {share} is a share of no remat's compiled peak, and the no-remat plan "
+            f"({plan.summary()}) did not compile: {m.error or m.status}; give the budget in bytes"
+        )
+    return share.of(m.peak_bytes)

@@ -44,8 +44,9 @@ stored without one was searched with it (``attention`` was ``dense`` before ``au
 
 def check_identity(spec: SearchSpec, attrs: dict[str, Any]) -> None:
     """Refuse ``spec`` for a study with user attributes ``attrs`` if the study was submitted
-    (or searched) with another identity. A budget left to the device is compared once a
-    device resolves it (:func:`check_device_identity`)."""
+    (or searched) with another identity. A budget left to the device, or written as a share
+    of no remat's peak (``70%``), is compared once a device resolves it to bytes
+    (:func:`check_device_identity`)."""
     mine = spec.model_dump(mode="json", include=set(IDENTITY_FIELDS))
     theirs = attrs.get(SPEC_ATTR)
     for key in IDENTITY_FIELDS:
@@ -55,8 +56,15 @@ def check_identity(spec: SearchSpec, attrs: dict[str, Any]) -> None:
             stored = attrs[key]
         else:
             continue
-        if as_written_now(key, stored) != mine[key] and not (key == "budget" and (stored is None or mine[key] is None)):
+        if key == "budget" and not (_is_bytes(stored) and _is_bytes(mine[key])):
+            continue
+        if as_written_now(key, stored) != mine[key]:
             raise identity_error(spec.study, key, stored)
+
+
+def _is_bytes(budget: Any) -> bool:
+    """Whether ``budget``, as a spec stores it, is bytes (not left to the device, not a share)."""
+    return isinstance(budget, int) and not isinstance(budget, bool)
 
 
 def device_identity(spec: SearchSpec, budget: int, device: DeviceInfo) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from remat_search.plans.policy import POLICIES, LayerPolicy
+from remat_search.spec.budget import Budget
 from remat_search.spec.fields import Frozen, check_study_name, matching
 from remat_search.spec.workloads import (
     LinenConfig,
@@ -265,9 +266,11 @@ class SearchSpec(Frozen):
     :func:`default_storage`."""
     workload: WorkloadConfig
     space: SpaceConfig
-    budget: Bytes | None = None
-    """Peak bytes per chip. Default: the chip's memory as the TPU compiler reports it, or as a
-    local GPU's runtime does (``bytes_limit``); required on CPU."""
+    budget: Budget = None
+    """Peak bytes per chip. Default (or ``device``): the chip's memory as the TPU compiler
+    reports it, or as a local GPU's runtime does (``bytes_limit``); required on CPU. A share
+    such as ``70%`` (a :class:`~remat_search.spec.budget.Share`) is that share of the
+    compiled peak of the uniform no-remat plan on the target, which the search compiles first."""
     trials: PositiveInt
     target: TargetConfig = "local"
     mesh: dict[MeshAxis, PositiveInt] | None = None
@@ -310,7 +313,7 @@ class SearchSpec(Frozen):
 
     @property
     def budget_text(self) -> str | None:
-        """The budget as the spec wrote it (``38mb``), to echo beside what it was read as."""
+        """The budget as the spec wrote it (``38mb``, ``70%``, ``device``), to echo beside what it was read as."""
         return self._budget_text
 
     @model_validator(mode="wrap")
