@@ -14,7 +14,7 @@ import typer
 from remat_search.errors import SpecError
 from remat_search.spec.fields import check_study_name
 from remat_search.store.location import STORAGE_ENV, default_storage
-from remat_search.units import parse_bytes
+from remat_search.spec.budget import Asked, read_budget
 
 StorageOption = Annotated[
     str | None,
@@ -31,7 +31,10 @@ SpecArgument = Annotated[
 ]
 StudyOption = Annotated[str, typer.Option("--study", "-s", metavar="NAME", help="Study name (the spec's study).")]
 BudgetOption = Annotated[
-    str, typer.Option(metavar="SIZE", help="Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10.")
+    str, typer.Option(metavar="SIZE", help=(
+        "Memory a plan may use at peak, e.g. 14GiB, 200MiB, 1.6e10; 70%: that share of the compiled peak of the "
+        "study's uniform no-remat trial; device: the memory of the device that measured the study."
+    ))
 ]
 PlotOption = Annotated[Path | None, typer.Option(metavar="FILE", show_default=False, help=(
     "Also draw the study to this file, in the format its suffix names: .png, .svg or .html (a standalone "
@@ -39,12 +42,10 @@ PlotOption = Annotated[Path | None, typer.Option(metavar="FILE", show_default=Fa
 ))]
 
 
-def budget(value: str) -> int:
-    """``--budget``'s bytes."""
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise SpecError(f"--budget: {e}") from None
+def budget(value: str) -> Asked:
+    """``--budget`` as asked: bytes, a share of no remat's peak (``70%``) or ``device``, which a
+    query resolves against its study (``report.queries.budget_bytes``)."""
+    return read_budget(value, name="--budget")
 
 
 def study(value: str) -> str:

@@ -92,14 +92,16 @@ def best(
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
     from remat_search.plans.export import FORMATS, export
+    from remat_search.report.queries import budget_bytes
     from remat_search.report.results import settlement
     from remat_search.report.stored import open_study
 
     if form != "table" and form not in FORMATS:
         raise SpecError(f"--format: expected table, {', '.join(FORMATS)}; got {form!r}")
     form = "json" if as_json else form
-    limit = flags.budget(budget)
+    asked = flags.budget(budget)
     with open_study(flags.study(study), storage) as stored:
+        limit = budget_bytes(asked, stored, name="--budget")
         found = stored.best(limit)
         untimed = stored.untimed_within(limit)
     note = answer_note(found, limit, settlement(stored.attrs), stored.name)

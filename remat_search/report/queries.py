@@ -20,7 +20,7 @@ from remat_search.errors import SpecError
 from remat_search.report.results import StudyReport, TrialResult
 from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.stored import StoredStudy, open_studies, open_study
-from remat_search.units import parse_bytes
+from remat_search.spec.budget import DEVICE, Share, read_budget
 
 if TYPE_CHECKING:
     from remat_search.workloads.base import Workload
@@ -39,18 +39,20 @@ def pareto_front(study: str, storage: str | None = None) -> list[TrialResult]:
 
 
 def best_plan(
-    study: str, budget: int | str, storage: str | None = None, *, workload: Workload | None = None, check: bool = True,
+    study: str, budget: int | str | Share, storage: str | None = None, *, workload: Workload | None = None, check: bool = True,
 ) -> TrialResult:
     """The fastest measured plan of ``study`` whose compiled peak fits ``budget``
-    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial).
+    (:meth:`StudyReport.best`, by indexed SQL: without reading every trial). ``budget``: bytes,
+    a size, a share of no remat's peak (``70%``) or ``device`` (see :func:`budget_bytes`).
 
     For a training script that applies it: with ``check`` (the default), a study measured with
     another JAX version, or on another kind of device than this process's first, is refused
     (:class:`SpecError`, naming both), and so is one of another workload than ``workload``
     (its fingerprint: names, layers, tensor names, input shapes), where one is given: its
     peaks and times would not be this run's. ``check=False`` only reads the answer."""
+    read_budget(budget)  # a malformed budget is told before the storage is opened
     with open_study(study, storage) as stored:
-        found = stored.best(budget_bytes(budget))
+        found = stored.best(budget_bytes(budget, stored))
         measured_on = stored.device
     if check:
         _check_caller(study, measured_on, workload)
@@ -73,12 +75,30 @@ def _check_caller(study: str, measured_on: dict, workload: Workload | None) -> N
             )
 
 
-def budget_bytes(budget: object) -> int:
-    """The bytes a budget asked for names (``14GiB``, ``1.6e10``); else :class:`SpecError`."""
-    try:
-        return parse_bytes(budget)
-    except ValueError as e:
-        raise SpecError(f"budget: {e}") from None
+def budget_bytes(budget: object, study: StoredStudy, *, name: str = "budget") -> int:
+    """The bytes a budget asked of ``study`` names (:func:`~remat_search.spec.budget.read_budget`
+    reads it; ``name`` is what the asker called it, ``--budget``): a size (``14GiB``,
+    ``1.6e10``); a share (``70%``) of the compiled peak of the study's trial of the uniform
+    no-remat plan; ``device``: the memory limit of the device that measured the study. Else
+    :class:`SpecError` naming ``name``."""
+    asked = read_budget(budget, name=name)
+    if isinstance(asked, Share):
+        peak = study.no_remat_peak()
+        if peak is None:
+            raise SpecError(
+                f"{name}: {asked} is a share of no remat's compiled peak, and study {study.name!r} has no "
+                "compiled trial of the uniform no-remat plan; give bytes such as 14GiB"
+            )
+        return asked.of(peak)
+    if asked == DEVICE:
+        limit = study.device.get("memory_limit")
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise SpecError(
+                f"{name}: device is the device's memory, and study {study.name!r} stores no memory limit "
+                f"of its device ({study.device.get('platform') or 'none measured it yet'}); give bytes such as 14GiB"
+            )
+        return limit
+    return asked
 
 
 class StudySummary(BaseModel):

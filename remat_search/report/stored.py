@@ -51,7 +51,8 @@ from remat_search.report.results import (
     result_of,
     settlement,
 )
-from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, PLAN_ATTR
+from remat_search.plans.plan import RematPlan
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, PLAN_ATTR
 from remat_search.store.reading import Reader, read_only
 from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
@@ -125,6 +126,18 @@ class StoredStudy:
             key=PLAN_ATTR, value=json.dumps(plan_json),
         )
         return list(self._load(sorted(r[0] for r in rows)).values())
+
+    def no_remat_peak(self) -> int | None:
+        """The compiled peak of the study's first compiled trial of the uniform no-remat plan
+        (every layer ``none``), which a budget such as ``70%`` is a share of; None where the
+        study has none (its space has no ``none``, or it was not compiled yet)."""
+        layers = self.attrs.get(LAYERS_ATTR)
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            return None
+        for t in self.with_plan(RematPlan.uniform("none", layers).to_json()):
+            if t.measurement is not None and t.measurement.compiled and t.peak_bytes is not None:
+                return t.peak_bytes
+        return None
 
     def params(self, *, numbers: Sequence[int] | None = None, state: str | None = None) -> dict[int, dict[str, object]]:
         """The parameters of the trials ``numbers`` (every trial if None) in optuna's ``state``

@@ -18,10 +18,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from remat_search.errors import NoFeasiblePlan, SpecError, StorageError
 from remat_search.plans.plan import RematPlan, collapse_runs
+from remat_search.report.queries import budget_bytes
 from remat_search.report.results import TrialResult
 from remat_search.report.stored import StoredStudy, open_study
 from remat_search.search.cost_model import CostModel, Prediction, cost_model, kept_cost_model
 from remat_search.search.space import Space
+from remat_search.spec.budget import Share, read_budget
 from remat_search.spec.loading import describe_validation_error
 from remat_search.spec.models import SpaceConfig
 from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR
@@ -57,18 +59,23 @@ class Advice(BaseModel):
     """Why a measured plan was advised instead of the model's."""
 
 
-def plan_for_budget(study_name: str, budget: int, *, storage: str | None = None, measure: bool = False) -> Advice:
+def plan_for_budget(
+    study_name: str, budget: int | str | Share, *, storage: str | None = None, measure: bool = False,
+) -> Advice:
     """The planner's advice for ``budget`` on a stored study (:func:`advise`); with
     ``measure``, first measure the advised plan as one more trial of the study unless it was
-    measured already (:func:`search.loop.measure_params`)."""
+    measured already (:func:`search.loop.measure_params`). ``budget``: bytes, a size, a share of
+    no remat's peak (``70%``) or ``device``, resolved against the study (:func:`budget_bytes`)."""
+    read_budget(budget, name="--budget")  # a malformed budget is told before the storage is opened
     with open_study(study_name, storage) as stored:
-        if measure and budget > stored.attrs.get("budget", budget):
+        limit = budget_bytes(budget, stored, name="--budget")
+        if measure and limit > stored.attrs.get("budget", limit):
             raise SpecError(
-                f"--budget: {format_bytes(budget)} is above the study's budget of "
+                f"--budget: {format_bytes(limit)} is above the study's budget of "
                 f"{format_bytes(stored.attrs['budget'])}, where plans are not run; "
                 "--measure times plans within it"
             )
-        advice = advise(stored, budget)
+        advice = advise(stored, limit)
     if measure and advice.measured is None:
         from remat_search.search.loop import measure_params
         from remat_search.store.storage import load_study, open_storage, translate_errors

@@ -22,6 +22,8 @@ from remat_search.store import cache
 from remat_search.errors import NoFeasiblePlan, RunError, SpecError
 from remat_search.measure.executables import anchor_plan
 from remat_search.plans.plan import RematPlan
+from remat_search.report.queries import budget_bytes
+from remat_search.report.stored import open_study
 from remat_search.report.results import (
     Confirmed,
     Settlement,
@@ -33,6 +35,7 @@ from remat_search.report.results import (
     study_report,
 )
 from remat_search.measure.runner import Runner
+from remat_search.spec.budget import Share, read_budget
 from remat_search.spec.models import ConfirmConfig, HeartbeatConfig
 from remat_search.store.attributes import ANCHOR_ATTR, CONFIRMATION_ATTR, SETTLED_ATTR
 from remat_search.store.storage import load_study, open_storage, translate_errors
@@ -242,17 +245,25 @@ def _retime(
 
 
 def confirm_study(
-    study_name: str, *, budget: int | None = None, top: int = 3, rounds: int = 10, presets: bool = True,
+    study_name: str, *, budget: int | str | Share | None = None, top: int = 3, rounds: int = 10, presets: bool = True,
     races: int = RACES, storage: str | None = None, on_progress: ProgressCallback | None = None,
 ) -> tuple[StudyReport, list[TrialResult]]:
     """Confirm ``study_name`` under ``budget`` (default: the study's) on this machine, as its
     last search measured it, racing as :func:`confirm` does; return the report and the plans
     of the session that fit ``budget``, fastest first by :func:`results.rank` (none when fewer
-    than two plans fit). ``on_progress``: see :func:`confirm`."""
+    than two plans fit). ``budget``: bytes, a size, a share of no remat's peak (``70%``) or
+    ``device``, resolved against the study (:func:`~remat_search.report.queries.budget_bytes`).
+    ``on_progress``: see :func:`confirm`."""
+    if budget is not None:
+        read_budget(budget, name="--budget")  # a malformed budget is told before the storage is opened
     opened = open_storage(storage)
     study = load_study(study_name, opened)
     with translate_errors(opened.url):
         spec = spec_of_study(study, opened.url)
+    asked = spec.budget
+    if budget is not None:
+        with open_study(study_name, opened.url) as stored:
+            asked = budget_bytes(budget, stored, name="--budget")
     with runner_for(spec) as runner:
         device = runner.describe()
         if not device.executes:
@@ -260,7 +271,8 @@ def confirm_study(
                 f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
                 "there are no step times to confirm"
             )
-        limit = resolve_budget(budget if budget is not None else spec.budget, device)
+        assert not isinstance(asked, Share)  # a study stores its budget in bytes
+        limit = resolve_budget(asked, device)
         report = confirm(
             study, runner, storage=opened, budget=limit, top=top, rounds=rounds, warmup=spec.timing.warmup,
             presets=presets, races=races, heartbeat=spec.heartbeat, on_progress=on_progress,

@@ -36,6 +36,7 @@ from remat_search.report.results import TrialResult
 from remat_search.report.stored import open_study
 from remat_search.report.text import front_json, no_trial_text, untimed_text
 from remat_search.service.page import render_page
+from remat_search.spec.budget import read_budget
 from remat_search.spec.fields import check_study_name
 from remat_search.spec.loading import parse_spec
 from remat_search.store.storage import resolve_url, shown_url
@@ -131,9 +132,13 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
         responses={200: {"model": RematPlan}, 404: {"description": "no measured plan fits the budget"}},
         response_class=Response,
     )
-    def best(study: str, budget: str = Query(description="Peak memory a plan may use, e.g. 14GiB, 200MiB, 1.6e10.")) -> Response:
-        limit = budget_bytes(budget)
+    def best(study: str, budget: str = Query(description=(
+        "Peak memory a plan may use, e.g. 14GiB, 200MiB, 1.6e10; 70%: that share of the compiled peak of the "
+        "study's uniform no-remat trial; device: the memory of the device that measured the study."
+    ))) -> Response:
+        read_budget(budget)  # a malformed budget is a 422 before the storage is opened
         with open_study(_name(study), url) as stored:
+            limit = budget_bytes(budget, stored)
             found = stored.best(limit)
             untimed = stored.untimed_within(limit)
         assert found.plan is not None

@@ -12,7 +12,7 @@ import pytest
 import remat_search
 from remat_search import RematPlan
 from remat_search.report.stored import open_study
-from remat_search.units import format_bytes
+from remat_search.units import format_bytes, size_argument
 
 from tests.conftest import spec_dict, write_spec
 
@@ -43,7 +43,7 @@ def test_a_share_budget_is_that_share_of_no_remats_compiled_peak(shared) -> None
     assert budget == math.floor(0.8 * none.peak_bytes)  # rounded down to a whole byte
     assert none.status == "over_budget"  # 80% of its own peak: compiled, never run
     assert f"budget 80% of no remat's peak ({format_bytes(budget)})" in out.splitlines()
-    assert f"--budget {remat_search.units.size_argument(budget)}" in " ".join(out.split())
+    assert f"--budget {size_argument(budget)}" in " ".join(out.split())
 
 
 def test_a_share_budget_resumes_with_the_same_share_and_not_with_another(shared, cli) -> None:  # type: ignore[no-untyped-def]
@@ -84,3 +84,38 @@ def test_a_bad_budget_is_one_line_naming_the_field(cli, tmp_path: Path, storage_
     assert result.exit_code == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.db*"))
+
+
+def test_queries_take_a_share_of_the_studys_no_remat_peak(shared, cli) -> None:  # type: ignore[no-untyped-def]
+    storage, _, _ = shared
+    none, budget = _no_remat(storage)
+    size = size_argument(math.floor(0.9 * none.peak_bytes))
+    for command in ("best", "plan"):
+        relative = cli(command, "--study", "tiny", "--budget", "90%", "--storage", storage, "--json")
+        absolute = cli(command, "--study", "tiny", "--budget", size, "--storage", storage, "--json")
+        assert relative.exit_code == absolute.exit_code == 0, relative.stderr + absolute.stderr
+        assert relative.stdout == absolute.stdout
+    table = cli("best", "--study", "tiny", "--budget", "80%", "--storage", storage)
+    assert f"Best plan of 'tiny' for {format_bytes(budget)}" in table.stdout
+    assert remat_search.best_plan("tiny", "80%", storage).plan == RematPlan.uniform("full", len(none.plan.layers))
+
+
+def test_a_query_share_needs_the_no_remat_trial_and_device_a_stored_limit(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
+    path = write_spec(tmp_path / "spec.yaml", spec_dict(
+        storage_url, space={"layout": "uniform", "choices": ["full", "dots"]}, trials=2, confirm={"top": 0},
+    ))
+    assert cli("run", str(path)).exit_code == 0
+    for command in ("best", "plan", "confirm"):
+        result = cli(command, "--study", "tiny", "--budget", "70%", "--storage", storage_url)
+        assert result.exit_code == 2, result.stdout + result.stderr
+        assert result.stderr == (
+            "error: --budget: 70% is a share of no remat's compiled peak, and study 'tiny' has no compiled trial "
+            "of the uniform no-remat plan; give bytes such as 14GiB\n"
+        )
+        result = cli(command, "--study", "tiny", "--budget", "device", "--storage", storage_url)
+        assert result.exit_code == 2, result.stdout + result.stderr
+        assert result.stderr.count("\n") == 1
+        assert "--budget: device is the device's memory, and study 'tiny' stores no memory limit of its device (cpu)" in result.stderr
+        result = cli(command, "--study", "tiny", "--budget", "150%", "--storage", storage_url)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1
+        assert "--budget: expected a share of no remat's peak above 0% and at most 100%" in result.stderr
