@@ -147,7 +147,16 @@ def test_nothing_fits_is_404_naming_the_smallest_peak(server: str, storage: str)
     assert remat_search.units.format_bytes(smallest) in detail
 
 
-@pytest.mark.parametrize("query", ["budget=x", "budget=-1", "budget=16%20GiBs", "budget=", ""])
+def test_best_takes_a_share_of_the_studys_no_remat_peak(server: str, storage: str) -> None:
+    with open_study("tiny", storage) as stored:
+        (none,) = stored.with_plan(RematPlan.uniform("none", stored.attrs["layers"]).to_json())
+    share = request(f"{server}/studies/tiny/best?budget=90%25")
+    size = request(f"{server}/studies/tiny/best?budget={none.peak_bytes * 9 // 10}")
+    assert share.status == size.status == 200
+    assert share.body == size.body and share.headers["x-remat-search-trial"] == size.headers["x-remat-search-trial"]
+
+
+@pytest.mark.parametrize("query", ["budget=x", "budget=-1", "budget=16%20GiBs", "budget=", "", "budget=150%25"])
 def test_a_bad_budget_is_422_in_one_line(server: str, query: str) -> None:
     answer = request(f"{server}/studies/tiny/best?{query}")
     assert answer.status == 422

@@ -114,9 +114,10 @@ def test_fsdp_divides_per_chip_argument_bytes_by_the_mesh() -> None:
     assert state_replicated / state_sharded == pytest.approx(4, rel=0.02)
 
 
-def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str) -> None:
+@pytest.mark.parametrize("budget", [None, "device"])
+def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str, budget: str | None) -> None:
     spec = parse_spec(spec_dict(
-        storage_url, target={"platform": "tpu", "topology": "v5e:2x2"}, budget=None, trials=3,
+        storage_url, target={"platform": "tpu", "topology": "v5e:2x2"}, budget=budget, trials=3,
         workload={**TINY_TRANSFORMER, "batch": 8, "dtype": "bfloat16"},
         space={"layout": "uniform", "choices": ["none", "full", "dots"]},
     ))
@@ -126,6 +127,8 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str) -> 
     assert report.device["executes"] is False and report.device["mesh"] == {"data": 4}
     assert [t.measurement.time_source for t in report.trials] == ["estimated"] * 3
     assert report.best(HBM_V5E).step_seconds == min(t.step_seconds for t in report.trials)
+    # A query's `device` is the memory limit the study stored of its device.
+    assert remat_search.best_plan(spec.study, "device", storage_url, check=False) == report.best(HBM_V5E)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +145,13 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str) -> 
        "workload": {**TINY_TRANSFORMER, "batch": 6}}, "spec.mesh: the batch dimension (6) must be divisible"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "budget": "20GiB"},
       "spec.budget: 20.0 GiB is more than the 15.8 GiB a TPU v5 lite device has"),
-     ({"budget": None}, "spec.budget: required here: cpu reports no memory limit")],
+     ({"budget": None}, "spec.budget: required here: cpu reports no memory limit"),
+     ({"budget": "device"}, "spec.budget: required here: cpu reports no memory limit"),
+     # A share of no remat's peak (an MLP whose activations take 49.7 GiB a chip) past the chip's HBM.
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "budget": "100%",
+       "workload": {"kind": "mlp", "layers": 2, "width": 128, "hidden": 16384, "batch": 2097152},
+       "space": {"layout": "uniform", "choices": ["none", "full"]}},
+      "spec.budget: 49.7 GiB is more than the 15.8 GiB a TPU v5 lite device has for a program; leave budget out")],
 )
 def test_bad_targets_are_clean_errors(cli, tmp_path: Path, storage_url: str, change: dict, field: str) -> None:  # type: ignore[no-untyped-def]
     spec = spec_dict(storage_url)
