@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -249,6 +250,11 @@ class Workload(abc.ABC):
 
         loss_fn, opt = self.loss(plan), self.optimizer()
         k = plan.configuration.accumulation if plan.configuration is not None else 1
+        # The gradients summed over micro-batches are sharded as the parameters are (not left
+        # to the compiler, which may keep a whole copy on every device), as a trainer shards them.
+        sharded = (lambda tree: tree) if mesh is None else functools.partial(
+            jax.lax.with_sharding_constraint, shardings=self.input_shardings(mesh)[0][0]
+        )
 
         def gradients(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree]:
             if k == 1:
@@ -257,9 +263,9 @@ class Workload(abc.ABC):
 
             def add(total: tuple[jax.Array, PyTree], one: PyTree) -> tuple[tuple[jax.Array, PyTree], None]:
                 loss, grads = jax.value_and_grad(loss_fn)(params, one)
-                return (total[0] + loss, jax.tree.map(lambda t, g: t + g, total[1], grads)), None
+                return (total[0] + loss, sharded(jax.tree.map(lambda t, g: t + g, total[1], grads))), None
 
-            zero = (jax.numpy.zeros((), jax.numpy.float32), jax.tree.map(jax.numpy.zeros_like, params))
+            zero = (jax.numpy.zeros((), jax.numpy.float32), sharded(jax.tree.map(jax.numpy.zeros_like, params)))
             (loss, grads), _ = jax.lax.scan(add, zero, micro)
             return loss / k, jax.tree.map(lambda g: g / k, grads)
 

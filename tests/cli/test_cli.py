@@ -97,7 +97,7 @@ MISSPELLED_KEYS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("two typos", lambda spec: (_renamed("timing", "repeats", "repeat")(spec), _renamed("", "trials", "trails")(spec)),
      "spec.timing.repeat: unknown key; did you mean 'repeats'? (and 1 more)"),
     ("colour", lambda spec: spec.update(colour="red"), (
-        "spec.colour: unknown key; expected one of: study, storage, workload, space, budget, trials, target, mesh, "
+        "spec.colour: unknown key; expected one of: study, storage, workload, space, budget, trials, target, mesh, configuration, "
         "sampler, timing, worker_memory, gradient_tolerance, confirm, prescreen, workers, heartbeat, compilation_cache")),
 ]
 

@@ -19,6 +19,7 @@ from remat_search.search.configurations import configurations
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import ConfigurationSpace
 from remat_search.spec.workloads import TransformerConfig
+from remat_search.store.liveness import enqueue
 from remat_search.targets.platform import compiler_options
 from remat_search.workloads.base import build_workload
 
@@ -122,3 +123,27 @@ def test_bad_configurations_are_one_line_errors_and_nothing_is_written(
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.db*"))
+
+
+@pytest.mark.slow  # compiles for a TPU topology
+def test_a_tpu_study_of_configurations_compiles_each_mesh_and_estimates_throughput(storage_url: str) -> None:
+    """Over v5e:2x2 every candidate is compiled over its own mesh of the 4 chips at its batch:
+    each has its own peak and estimate, its throughput is the global batch's tokens per chip
+    over that estimate, and the objective is the estimate per token per chip."""
+    model = {"kind": "transformer", "layers": 2, "d_model": 64, "heads": 2, "d_ff": 256, "seq_len": 128,
+             "batch": 32, "vocab": 128, "attention": "dense"}
+    spec = spec_dict(
+        storage_url, workload=model, target={"platform": "tpu", "topology": "v5e:2x2"}, budget=None, trials=1,
+        space={"layout": "uniform", "choices": ["none"]}, confirm={"top": 0},
+        configuration={"batch": [8, 2], "global_batch": 32, "mesh": [{"fsdp": 4}, {"data": 4}]},
+    )
+    remat_search.run(parse_spec(spec))  # its preset: the first configuration
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    for label in ("batch 2×4 · fsdp=4", "batch 8 · data=4", "batch 2×4 · data=4"):  # every other one, queued
+        enqueue(study, {"policy": "none", "configuration": label})
+    report = remat_search.run(parse_spec({**spec, "trials": 4}))
+    assert {(t.plan.configuration.batch, t.plan.configuration.accumulation, t.plan.configuration.mesh)
+            for t in report.trials} == {(8, 1, (("fsdp", 4),)), (2, 4, (("fsdp", 4),)), (8, 1, (("data", 4),)), (2, 4, (("data", 4),))}
+    assert all(t.time_estimated and t.throughput == 32 * 128 / 4 / t.seconds for t in report.trials)
+    assert len({t.peak_bytes for t in report.trials}) == len({t.seconds for t in report.trials}) == 4
+    assert all(s.values[0] == t.seconds / (32 * 128 / 4) for s, t in zip(study.trials, report.trials, strict=True))
