@@ -13,11 +13,12 @@ import pytest
 from optuna.trial import TrialState
 
 import remat_search
+from remat_search.measure.runner import Runner
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.search.configurations import configurations
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import ConfigurationSpace
+from remat_search.spec.models import ConfigurationSpace, TimingConfig
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.store.liveness import enqueue
 from remat_search.targets.platform import compiler_options
@@ -104,6 +105,33 @@ def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_ur
 
     again = remat_search.run(parse_spec({**spec, "trials": 6, "confirm": {"top": 0}}))
     assert len(again.trials) == 6 and [t.plan for t in again.trials[:5]] == [t.plan for t in report.trials]
+
+
+def test_candidates_of_two_configurations_are_re_timed_each_in_its_own_session() -> None:
+    """Confirmation hands the worker candidates of several configurations at once: each is timed
+    with the executables of its configuration, every round, in the order given back."""
+    small, large = Configuration(batch=2, sequence=32), Configuration(batch=4, sequence=32)
+    plans = [RematPlan.uniform(p, 2).model_copy(update={"configuration": c})
+             for p, c in (("none", small), ("full", large), ("full", small))]
+    with Runner(TransformerConfig(**TINY_TRANSFORMER), timeout=120) as runner:
+        times = runner.retime(plans, warmup=1, rounds=3, budget=2**30)
+        measured = [runner.measure(p, budget=2**30, timing=TimingConfig(warmup=1, repeats=2, anchor=False),
+                                   gradient_tolerance=1e-3) for p in plans]
+    assert [len(t) for t in times] == [3, 3, 3] and all(x > 0 for t in times for x in t)
+    assert [m.status for m in measured] == ["measured"] * 3
+    assert measured[1].peak_bytes > measured[2].peak_bytes  # full remat at 4 examples, then at 2
+
+
+def test_a_study_stored_before_configurations_resumes(storage_url: str) -> None:
+    """A study whose stored spec and identity have no ``configuration`` (made before it existed)
+    resumes with a spec that leaves it out."""
+    spec = spec_dict(storage_url, space=SPACE, trials=2, confirm={"top": 0})
+    remat_search.run(parse_spec(spec))
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    stored = {k: v for k, v in study.user_attrs["spec"].items() if k != "configuration"}
+    study.set_user_attr("spec", stored)
+    assert "configuration" not in study.user_attrs["spec"]
+    assert len(remat_search.run(parse_spec({**spec, "trials": 3})).trials) == 3
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
