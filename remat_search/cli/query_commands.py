@@ -86,12 +86,15 @@ def best(
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
     form: Annotated[str, typer.Option(
         "--format", metavar="table|json|yaml|maxtext",
-        help="table (default); json (= --json), yaml: the plan alone; maxtext: MaxText's remat settings "
-             "(remat_policy: full, or custom with device/offload/remat per tensor name) where the plan has that form.",
+        help="table (default); json (= --json), yaml: the plan alone; maxtext: MaxText's settings (remat_policy: "
+             "full, or custom with device/offload/remat per tensor name; the plan's batch, accumulation and "
+             "ici_*_parallelism where it carries a configuration) of the fastest plan that fits and MaxText can "
+             "express, with a note on stderr where that is not the study's best.",
     )] = "table",
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
     from remat_search.plans.export import FORMATS, export
+    from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.queries import budget_bytes
     from remat_search.report.results import settlement
     from remat_search.report.stored import open_study
@@ -102,12 +105,15 @@ def best(
     asked = flags.budget(budget)
     with open_study(flags.study(study), storage) as stored:
         limit = budget_bytes(asked, stored, name="--budget")
-        found = stored.best(limit)
+        for_maxtext = maxtext_answer(stored, limit) if form == "maxtext" else None
+        found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
         untimed = stored.untimed_within(limit)
     note = answer_note(found, limit, settlement(stored.attrs), stored.name)
     if form != "table":
         assert found.plan is not None
         print(export(found.plan, form))  # type: ignore[arg-type]
+        if for_maxtext is not None and (notice := for_maxtext.notice()):
+            output.note(notice)
     else:
         output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
         output.console.print(describe_trial(found))

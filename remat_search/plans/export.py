@@ -15,6 +15,7 @@ from typing import Literal
 import yaml
 
 from remat_search.errors import SpecError
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import POLICIES
 
@@ -27,6 +28,31 @@ MAXTEXT_NAMES = (
 """The tensors MaxText's ``remat_policy: custom`` sets one by one (its ``base.yml``)."""
 PINNED = "decoder_layer_input"
 """The layer's input, which MaxText keeps on the device whatever the policy: the points remat starts from."""
+QKV = ("query_proj", "key_proj", "value_proj")
+MAXTEXT_PRESETS: dict[str, tuple[str, ...] | None] = {
+    "full": None,
+    "save_qkv_proj": QKV,
+    "save_dot_except_mlp": (*QKV, "out_proj"),
+    "save_dot_except_mlpwi": (*QKV, "out_proj", "mlpwo"),
+    "save_dot_with_context_except_mlp": (*QKV, "context", "out_proj"),
+    "save_out_proj": ("out_proj",),
+}
+"""MaxText's ``remat_policy`` presets that a policy here states exactly, by MaxText's name: the
+tensors each saves on the device (``names``), or None for ``full``. MaxText's lists also name
+``qkv_proj``, the fused projection it tags only with ``fused_qkv: true``; it is left out, so each
+is MaxText's preset on a model with separate projections (``fused_qkv: false``, its default).
+Left out too: ``minimal``, ``minimal_flash`` and ``minimal_offloaded``, which choose by operation
+(matmuls without batch dimensions), and ``qkv_proj_offloaded``, which offloads (only a GPU or a
+TPU can; write it as ``{label: qkv_proj_offloaded, offload: [query_proj, key_proj, value_proj]}``)."""
+MAXTEXT_ICI = {
+    **{axis: f"ici_{axis}_parallelism" for axis in (
+        "diloco", "data", "fsdp", "fsdp_transpose", "sequence", "context", "context_autoregressive",
+        "tensor", "tensor_transpose", "tensor_sequence", "expert", "autoregressive",
+    )},
+    "stage": "ici_pipeline_parallelism",
+}
+"""MaxText's mesh axes and the ``base.yml`` setting that sizes each within a slice."""
+MaxTextValue = str | int | float
 
 
 def export(plan: RematPlan, form: Format) -> str:
@@ -39,10 +65,50 @@ def export(plan: RematPlan, form: Format) -> str:
     return yaml.safe_dump(maxtext(plan), sort_keys=False).rstrip("\n")
 
 
-def maxtext(plan: RematPlan) -> dict[str, str]:
+def maxtext(plan: RematPlan) -> dict[str, MaxTextValue]:
+    """MaxText's settings of ``plan``: its remat settings (:func:`maxtext_remat`), then, where
+    the plan carries a configuration, its batch, accumulation and mesh
+    (:func:`maxtext_configuration`)."""
+    settings: dict[str, MaxTextValue] = dict(maxtext_remat(plan))
+    if plan.configuration is not None:
+        settings.update(maxtext_configuration(plan.configuration))
+    return settings
+
+
+def maxtext_configuration(configuration: Configuration) -> dict[str, int | float]:
+    """MaxText's settings of a configuration: ``per_device_batch_size``,
+    ``gradient_accumulation_steps`` (written even when 1, so that pasting it replaces whatever
+    the config had), and ``ici_<axis>_parallelism`` for each mesh axis, in the mesh's order
+    (:data:`MAXTEXT_ICI`; an axis MaxText has no setting for is a :class:`SpecError`).
+
+    MaxText's micro-batch is ``per_device_batch_size`` × every device, while a configuration's
+    ``batch`` is per data-parallel device (``data`` × ``fsdp``): over a mesh of those axes only
+    the two are equal, and over a ``tensor`` axis, say, the per-device batch is the share of
+    each device (a fraction where it does not divide, which MaxText takes)."""
+    foreign = [axis for axis, _ in configuration.mesh if axis not in MAXTEXT_ICI]
+    if foreign:
+        raise SpecError(
+            f"--format maxtext: mesh axis {foreign[0]!r} has no MaxText ici_*_parallelism setting "
+            f"(its axes: {', '.join(MAXTEXT_ICI)}); use json or yaml"
+        )
+    share = configuration.batch * configuration.data_parallel / configuration.devices
+    return {
+        "per_device_batch_size": int(share) if share.is_integer() else share,
+        "gradient_accumulation_steps": configuration.accumulation,
+        **{MAXTEXT_ICI[axis]: size for axis, size in configuration.mesh},
+    }
+
+
+def maxtext_remat(plan: RematPlan) -> dict[str, str]:
     """MaxText's remat settings of ``plan``: ``{remat_policy: full}``, or ``remat_policy:
     custom`` with ``device``, ``offload`` or ``remat`` for each of :data:`MAXTEXT_NAMES`, as its
-    policy kind's ``maxtext`` hook says (``plans.policy.PolicyKind``)."""
+    policy kind's ``maxtext`` hook says (``plans.policy.PolicyKind``). A nested plan, or one of
+    several policies, is a :class:`SpecError` saying why MaxText cannot have it."""
+    if plan.layout != "flat":
+        raise SpecError(
+            f"--format maxtext: the plan is {plan.layout} ({plan.summary()}), and MaxText checkpoints each "
+            "decoder layer alone; use json or yaml with apply_layers"
+        )
     kinds = {str(layer) for layer in plan.layers}
     if len(kinds) > 1:
         raise SpecError(

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from remat_search.plans.export import MAXTEXT_PRESETS
 from remat_search.plans.policy import POLICIES, LayerPolicy
 from remat_search.spec.budget import Budget
 from remat_search.spec.fields import Frozen, check_study_name, matching
@@ -92,6 +93,21 @@ class SpaceConfig(Frozen):
     """Also search the nested layout (the JAX guide's recursive checkpointing): one more
     parameter, ``layout``, of ``flat`` or ``nested``."""
     choices: tuple[PolicyChoice, ...] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _maxtext(cls, value: Any) -> Any:
+        """``space: maxtext``: one policy for every layer, of MaxText's presets that a policy
+        states exactly (``plans.export.MAXTEXT_PRESETS``), so every answer pastes into MaxText.
+        Another word is told in a line."""
+        if isinstance(value, str):
+            if value != "maxtext":
+                raise ValueError(f"expected a mapping (layout, choices, ...) or maxtext, got {value!r}")
+            return {"layout": "uniform", "choices": [
+                label if names is None else {"label": label, "names": list(names)}
+                for label, names in MAXTEXT_PRESETS.items()
+            ]}
+        return value
 
     @field_validator("segments", mode="before")
     @classmethod

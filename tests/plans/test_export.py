@@ -11,6 +11,7 @@ import yaml
 import remat_search
 from remat_search import LayerPolicy, RematPlan
 from remat_search.errors import SpecError
+from remat_search.plans.configuration import Configuration
 from remat_search.plans.export import MAXTEXT_NAMES, export, maxtext
 from remat_search.spec.loading import parse_spec
 from tests.conftest import spec_dict
@@ -54,6 +55,51 @@ def test_per_name_is_maxtext_custom_name_by_name() -> None:
 def test_a_plan_maxtext_cannot_express_says_why(plan: RematPlan, why: str) -> None:
     with pytest.raises(SpecError, match=r"^--format maxtext: .*" + re.escape(why)):
         maxtext(plan)
+
+
+def _configured(plan: RematPlan, **configuration: object) -> RematPlan:
+    return plan.model_copy(update={"configuration": Configuration.model_validate(configuration)})
+
+
+def test_a_configured_plan_writes_its_batch_accumulation_and_mesh_after_its_remat_settings() -> None:
+    plan = _configured(
+        RematPlan.uniform(LayerPolicy(kind="names", names=("context",)), 2),
+        batch=4, accumulation=2, mesh={"data": 2, "fsdp": 2}, sequence=32,
+    )
+    written = export(plan, "maxtext")
+    remat = maxtext(RematPlan.uniform(LayerPolicy(kind="names", names=("context",)), 2))
+    assert list(yaml.safe_load(written).items()) == [
+        *remat.items(),
+        ("per_device_batch_size", 4), ("gradient_accumulation_steps", 2),
+        ("ici_data_parallelism", 2), ("ici_fsdp_parallelism", 2),
+    ]
+    full = _configured(RematPlan.uniform("full", 3), batch=8, mesh={"fsdp": 4})
+    assert export(full, "maxtext") == (
+        "remat_policy: full\nper_device_batch_size: 8\ngradient_accumulation_steps: 1\nici_fsdp_parallelism: 4"
+    )
+    alone = _configured(RematPlan.uniform("full", 3), batch=2)
+    assert maxtext(alone) == {"remat_policy": "full", "per_device_batch_size": 2, "gradient_accumulation_steps": 1}
+
+
+def test_maxtext_s_per_device_batch_is_each_device_s_share_of_the_micro_batch() -> None:
+    """A configuration's batch is per data-parallel device; MaxText's per device, tensor and
+    pipeline devices included: over fsdp=2 × tensor=2 a batch of 4 is 2 a device, of 1 is 0.5."""
+    full = RematPlan.uniform("full", 2)
+    split = maxtext(_configured(full, batch=4, mesh={"fsdp": 2, "tensor": 2}))
+    assert split["per_device_batch_size"] == 2 and split["ici_tensor_parallelism"] == 2
+    assert maxtext(_configured(full, batch=1, mesh={"fsdp": 2, "tensor": 2}))["per_device_batch_size"] == 0.5
+    staged = maxtext(_configured(full, batch=2, mesh={"data": 2, "stage": 2, "expert": 2, "sequence": 1}))
+    assert [k for k in staged if k.startswith("ici_")] == [
+        "ici_data_parallelism", "ici_pipeline_parallelism", "ici_expert_parallelism", "ici_sequence_parallelism",
+    ]
+
+
+def test_a_mesh_axis_maxtext_has_no_setting_for_and_a_nested_plan_are_refused() -> None:
+    with pytest.raises(SpecError, match=r"^--format maxtext: mesh axis 'model' has no MaxText ici_\*_parallelism setting"):
+        maxtext(_configured(RematPlan.uniform("full", 2), batch=2, mesh={"data": 2, "model": 2}))
+    nested = RematPlan(layers=(LayerPolicy(kind="full"),) * 4, layout="nested")
+    with pytest.raises(SpecError, match=r"^--format maxtext: the plan is nested \(nested: full×4\)"):
+        maxtext(nested)
 
 
 def test_yaml_and_json_load_back_as_the_plan() -> None:
