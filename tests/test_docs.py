@@ -70,3 +70,13 @@ def test_readmes_two_commands_are_the_ones_ci_and_the_demo_run() -> None:
     assert (REPO / "search_spaces" / "demo.yaml").is_file()
     assert tests == "pip install -e '.[test]' && pytest"
     assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == tests
+
+
+def test_every_spec_in_search_spaces_loads() -> None:
+    """The specs users start from are valid, whatever they search (a MaxText-shaped one too)."""
+    from remat_search.spec.loading import load_spec
+
+    specs = sorted((REPO / "search_spaces").glob("*.yaml"))
+    assert len(specs) >= 4
+    for path in specs:
+        assert load_spec(path).study, path

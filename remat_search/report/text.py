@@ -231,6 +231,18 @@ def describe_trial(t: TrialResult) -> str:
         lines.append(f"  compile {m.compile_seconds:.2f} s, {gflop_text(m.flops)} GFLOP" if m.flops else "")
     if m and m.estimated_seconds is not None:
         lines.append(_estimate_line(m))
+        if t.plan is not None and any(p.host_memory for p in t.plan.layers):
+            lines.append(
+                "  the estimate leaves out the host transfers of the offloaded tensors: it prices what "
+                "runs on the chip, not the link to host memory"
+            )
+    if t.plan is not None and t.plan.configuration is not None:
+        c = t.plan.configuration
+        lines.append(
+            f"  configuration: {c.batch} examples a device a micro-step, {c.accumulation} micro-step(s) a step "
+            f"(global batch {c.global_batch}), mesh {c.mesh_axes or 'one device'}"
+            + (f"; {throughput_text(t)}" if t.throughput is not None else "")
+        )
     if m and m.screened_bytes is not None:
         lines.append(
             f"  screened out, never compiled: the study's cost model predicts a peak of "

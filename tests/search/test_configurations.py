@@ -17,6 +17,7 @@ from remat_search.measure.runner import Runner
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.search.configurations import configurations
+from remat_search.report.text import describe_trial
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import ConfigurationSpace, TimingConfig
 from remat_search.spec.workloads import TransformerConfig
@@ -93,6 +94,7 @@ def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_ur
             assert trial.values[0] == t.step_seconds / (8 * TINY_TRANSFORMER["seq_len"] / c.devices)
     best = report.best(report.budget)
     assert best.confirmed is not None
+    assert f"configuration: {best.plan.configuration.batch} examples a device a micro-step" in describe_trial(best)
     assert best.throughput == max(t.throughput for t in report.timed())
     answered = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url, "--json")
     assert answered.exit_code == 0, answered.stderr
