@@ -19,8 +19,9 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from remat_search.errors import SpecError
+from remat_search.search.configured_model import study_configured_model
 from remat_search.search.cost_model import Prediction, study_cost_model
-from remat_search.search.space import Space
+from remat_search.search.space import CONFIGURATION_PARAM, Space
 from remat_search.spec.models import SamplerConfig
 from remat_search.store.attributes import PREDICTION_ATTR, QUEUED_ATTR
 
@@ -98,7 +99,7 @@ class PlannerSampler(Sampler):
             "peak": prediction.peak, "seconds": prediction.seconds, "target": target, "trained_on": trained_on,
             "margin": margin,
         }
-        return self._space.params(prediction.choices)
+        return self._space.params(prediction.choices, getattr(prediction, "configuration", None))
 
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
@@ -114,6 +115,8 @@ class PlannerSampler(Sampler):
     def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """For the first target budget with one, the fastest predicted plan among its best
         :data:`PER_TARGET` that the study has not tried."""
+        if self._space.configurations:
+            return self._propose_configured(study)
         model = study_cost_model(study, self._space)
         if model is None:
             return None
@@ -127,6 +130,38 @@ class PlannerSampler(Sampler):
             for prediction in fitting[::-1][:PER_TARGET]:
                 if prediction.choices not in tried:
                     return prediction, target, model.observations, model.margin
+        return None
+
+
+    def _propose_configured(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
+        """:meth:`_propose` in a space of configurations (:mod:`search.configured_model`).
+
+        First each configuration nothing was measured at, in the order of its predicted time per
+        token: its fastest plan predicted to fit the budget, so that its map is measured rather
+        than assumed. Then, for each target, the candidate (plan and configuration) of the least
+        predicted time per token among the best untried few."""
+        model = study_configured_model(study, self._space)
+        if model is None:
+            return None
+        tried = set()
+        for t in study.get_trials(deepcopy=False):
+            params = t.user_attrs.get(QUEUED_ATTR) or t.params
+            tried.add((self._space.choices(params, any_configuration=True), params.get(CONFIGURATION_PARAM)))
+        fits = [
+            min(fitting, key=lambda p: p.cost)
+            for m in model.maps if not m.measured
+            if (fitting := [p for p in model.front(m.configuration.summary()) if p.peak * (1 + model.margin) <= self._budget])
+        ]
+        for prediction in sorted(fits, key=lambda p: p.cost):
+            if (prediction.choices, prediction.configuration) not in tried:
+                return prediction, self._budget, model.base.observations, model.margin
+        front = model.front()
+        for fraction in TARGETS:
+            target = int(self._budget * fraction)
+            fitting = sorted((p for p in front if p.peak * (1 + model.margin) <= target), key=lambda p: p.cost)
+            for prediction in fitting[:PER_TARGET]:
+                if (prediction.choices, prediction.configuration) not in tried:
+                    return prediction, target, model.base.observations, model.margin
         return None
 
 

@@ -104,14 +104,15 @@ class Space:
             params[CONFIGURATION_PARAM] = trial.suggest_categorical(CONFIGURATION_PARAM, self.configuration_labels)
         return self.plan(params)
 
-    def params(self, choices: Sequence[str]) -> dict[str, str]:
-        """The trial parameters of the flat plan with ``choices``, one label per unit (at the
-        first configuration, where the space searches them)."""
+    def params(self, choices: Sequence[str], configuration: str | None = None) -> dict[str, str]:
+        """The trial parameters of the flat plan with ``choices``, one label per unit; where the
+        space searches configurations, at ``configuration`` (a label of
+        :attr:`configuration_labels`; default the first, the reference)."""
         params = dict(zip(self.units, choices, strict=True))
         if self.config.nested:
             params[LAYOUT_PARAM] = "flat"
         if self.configurations:
-            params[CONFIGURATION_PARAM] = self.configuration_labels[0]
+            params[CONFIGURATION_PARAM] = configuration or self.configuration_labels[0]
         return params
 
     def plan(self, params: Mapping[str, Any]) -> RematPlan:
@@ -133,10 +134,13 @@ class Space:
                 labels[i] = str(params[name])
         return tuple(labels)
 
-    def choices(self, params: Mapping[str, Any]) -> tuple[str, ...] | None:
-        """The label of each unit of a flat plan's parameters; None for a nested or partial one,
-        and in a space of configurations (the cost model prices plans at one batch and mesh)."""
-        if params.get(LAYOUT_PARAM, "flat") != "flat" or not all(u in params for u in self.units) or self.configurations:
+    def choices(self, params: Mapping[str, Any], *, any_configuration: bool = False) -> tuple[str, ...] | None:
+        """The label of each unit of a flat plan's parameters; None for a nested or partial one.
+        In a space of configurations, None unless the plan is at the first (the reference, where
+        the presets run and the per-layer cost model is fitted), or ``any_configuration``."""
+        if params.get(LAYOUT_PARAM, "flat") != "flat" or not all(u in params for u in self.units):
+            return None
+        if self.configurations and not any_configuration and params.get(CONFIGURATION_PARAM) != self.configuration_labels[0]:
             return None
         return tuple(str(params[u]) for u in self.units)
 

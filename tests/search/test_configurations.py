@@ -13,14 +13,20 @@ import pytest
 from optuna.trial import TrialState
 
 import remat_search
+from remat_search.measure.measurement import Measurement, MemoryBreakdown
 from remat_search.measure.runner import Runner
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.search.configurations import configurations
+from remat_search.report.results import TrialResult
 from remat_search.report.text import describe_trial
+from remat_search.search.configured_model import fit_configured
+from remat_search.search.cost_model import CostModel
+from remat_search.search.space import Space
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import ConfigurationSpace, TimingConfig
 from remat_search.spec.workloads import TransformerConfig
+from remat_search.store.attributes import PREDICTION_ATTR
 from remat_search.store.liveness import enqueue
 from remat_search.targets.platform import compiler_options
 from remat_search.workloads.base import build_workload
@@ -69,6 +75,77 @@ def test_configurations_are_every_batch_with_every_mesh_that_divides_the_global_
     assert [(c.batch, c.accumulation) for c in found] == [(1, 4), (2, 2), (4, 1)]
     own = configurations(ConfigurationSpace(batch=(2, 4)), devices=1, mesh=None, sequence=1)
     assert [(c.batch, c.accumulation, c.mesh) for c in own] == [(2, 1, ()), (4, 1, ())]
+
+
+def _space_of(*configurations: Configuration) -> Space:
+    from remat_search.spec.models import SpaceConfig
+
+    return Space.of(SpaceConfig(layout="per_layer", choices=["none", "full"]), 2).with_configurations(configurations)
+
+
+def _trial(number: int, space: Space, choices: tuple[str, ...], configuration: str, *, state: float, temp: float,
+           seconds: float) -> tuple[TrialResult, dict[str, object]]:
+    params = space.params(choices, configuration)
+    memory = MemoryBreakdown(argument=int(state), output=0, alias=0, temp=int(temp), generated_code=0)
+    plan = space.plan(params)
+    m = Measurement(status="measured", plan_digest=plan.digest, memory=memory, time_source="measured", step_times=(seconds,))
+    return TrialResult(number=number, status="measured", plan=plan, measurement=m), params
+
+
+def test_the_configured_model_carries_the_reference_s_plans_to_other_configurations() -> None:
+    """At the reference (batch 4, fsdp=4) a device holds 1,000 bytes of state, and each layer's
+    `none` 800 bytes of activations over `full`'s 200; over data=4 at batch 2 the state is
+    replicated (4,000), activations half plus 100 bytes of buffers, steps 1.2× as long. Before a
+    candidate there compiles, the prior (state × 4, activations × ½, time × 1) predicts it; after
+    one, every other plan there is predicted exactly."""
+    reference = Configuration(batch=4, mesh={"fsdp": 4}, sequence=8)
+    other = Configuration(batch=2, accumulation=2, mesh={"data": 4}, sequence=8)
+    space = _space_of(reference, other)
+    act = {"none": 800.0, "full": 200.0}
+    seconds = {"none": 1.0, "full": 1.5}
+
+    def truth(choices: tuple[str, ...], c: Configuration) -> tuple[float, float, float]:
+        activations = sum(act[x] for x in choices)
+        step = sum(seconds[x] for x in choices)
+        if c == reference:
+            return 1000.0, activations, step
+        return 4000.0, activations / 2 + 100, step * 1.2
+
+    base = CostModel(
+        units=space.units, labels=("none", "full"), base_peak=1000 + 1600, base_seconds=2.0,
+        peak=np.array([[0.0, -600.0], [0.0, -600.0]]), seconds=np.array([[0.0, 0.5], [0.0, 0.5]]),
+        observations=4, margin=0.0,
+    )
+    first = [_trial(0, space, ("none", "none"), reference.summary(), **dict(zip(("state", "temp", "seconds"), truth(("none", "none"), reference))))]
+    prior = fit_configured(base, first, space)
+    assert prior is not None
+    guess = prior.predict(("full", "none"), other.summary())
+    assert (guess.peak, guess.seconds) == (4000 + 0.5 * 1000, 2.5)
+    one = _trial(1, space, ("none", "none"), other.summary(), **dict(zip(("state", "temp", "seconds"), truth(("none", "none"), other))))
+    model = fit_configured(base, [*first, one], space)
+    for choices in (("full", "none"), ("full", "full")):
+        state, temp, step = truth(choices, other)
+        predicted = model.predict(choices, other.summary())
+        assert predicted.peak == pytest.approx(state + temp) and predicted.seconds == pytest.approx(step)
+        assert predicted.cost == pytest.approx(step / other.tokens_per_device)
+    front = model.front()
+    assert [p.peak for p in front] == sorted(p.peak for p in front)
+    assert all(b.cost < a.cost for a, b in zip(front, front[1:]))
+
+
+def test_the_planner_proposes_plans_and_configurations_it_has_not_tried(storage_url: str) -> None:
+    """In a study of configurations the planner's proposals (each with its prediction) are new
+    candidates; a configuration nothing was measured at is proposed first, to measure it."""
+    spec = spec_dict(storage_url, space=SPACE, configuration=CONFIGURATION, trials=6, confirm={"top": 0},
+                     sampler={"kind": "planner", "seed": 0})
+    report = remat_search.run(parse_spec(spec))
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    proposed = [t for t in study.trials if PREDICTION_ATTR in t.user_attrs]
+    assert proposed, "the planner proposed nothing"
+    for t in proposed:  # new when proposed (TPE, once the planner has nothing new, may repeat one)
+        before = [u.plan.digest for u in report.trials if u.number < t.number]
+        assert report.trials[t.number].plan.digest not in before
+    assert {t.params["configuration"] for t in proposed} >= {"batch 4×2 · 1 device"}
 
 
 def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_url: str, cli: Any) -> None:
