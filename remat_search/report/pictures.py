@@ -112,7 +112,8 @@ def _figure(width: float, height: float, label: str) -> Figure:
 
 
 def front_figure(report: StudyReport, *, budget: int | None = None) -> Figure:
-    """Step time (ms) against compiled peak of every timed plan, the Pareto front as a step
+    """Step time (ms; tokens/s per device in a study of configurations) against compiled peak
+    of every timed plan, the Pareto front as a step
     line, the study's budget line (and ``budget``'s where given and different), the plan
     `best` returns for that budget starred; presets, planner proposals, other sampled plans
     and confirmed plans told apart by marker; and the plans over the study's budget on a strip
@@ -125,7 +126,7 @@ def front_figure(report: StudyReport, *, budget: int | None = None) -> Figure:
     figure.get_layout_engine().set(h_pad=0.02, hspace=0.0)  # type: ignore[union-attr]
 
     def xy(trials: Sequence[TrialResult]) -> tuple[list[float], list[float]]:
-        return [t.peak_bytes / scale for t in trials], [t.seconds * 1e3 for t in trials]  # type: ignore[operator]
+        return [t.peak_bytes / scale for t in trials], [_y(t) for t in trials]  # type: ignore[operator]
 
     front = list(report.front)
     if front:  # to the budget: a larger budget buys nothing the study timed
@@ -146,7 +147,7 @@ def front_figure(report: StudyReport, *, budget: int | None = None) -> Figure:
         name = t.labels[0] if t.plan is not None and t.plan.is_uniform and t.labels else ""
         text = " ".join(filter(None, [name, f"#{t.number}" if t.number in on_front else ""]))
         if text:
-            ax.annotate(text, (t.peak_bytes / scale, t.seconds * 1e3), fontsize=8,  # type: ignore[operator]
+            ax.annotate(text, (t.peak_bytes / scale, _y(t)), fontsize=8,  # type: ignore[operator]
                         xytext=(6, 4), textcoords="offset points")
     limit = budget if budget is not None else report.budget
     answer = _best(report, limit)
@@ -202,8 +203,17 @@ def _over_strip(strip: Axes, over: list[TrialResult], scale: float) -> None:
                            xytext=(5, 0), textcoords="offset points", va="center")
 
 
+def _y(t: TrialResult) -> float:
+    """A plan's height in the front's picture: its step in ms, or, where it carries a
+    configuration (a study of configurations, ranked by throughput), its tokens/s per device."""
+    return t.throughput if t.throughput is not None else t.seconds * 1e3  # type: ignore[operator]
+
+
 def _time_label(timed: list[TrialResult]) -> str:
     """The time axis's name: estimated where the target only compiles (the step-time model)."""
+    if any(t.throughput is not None for t in timed):
+        estimated = any(t.time_source == "estimated" for t in timed)
+        return f"{'estimated ' if estimated else ''}tokens/s per device (higher is faster)"
     if any(t.time_source == "estimated" for t in timed):
         return "estimated step time (ms, modelled from the compiled program: not run)"
     return "step time (ms)"

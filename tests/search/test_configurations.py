@@ -18,6 +18,7 @@ from remat_search.measure.runner import Runner
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.search.configurations import configurations
+from remat_search.report.pictures import front_figure
 from remat_search.report.results import TrialResult
 from remat_search.report.text import describe_trial
 from remat_search.search.configured_model import fit_configured
@@ -179,6 +180,10 @@ def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_ur
     shown = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
     assert "tokens/s per device" in shown.stdout and best.plan.configuration.summary() in shown.stdout
 
+    ax = front_figure(report).axes[1]
+    assert ax.get_ylabel() == "tokens/s per device (higher is faster)"
+    drawn = {float(y) for c in ax.collections for y in c.get_offsets()[:, 1]}
+    assert {t.throughput for t in report.timed()} <= drawn  # each plan at its tokens/s, not its step time
     planned = cli("plan", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
     assert planned.exit_code == 2 and "searches configurations" in planned.stderr
 
