@@ -80,3 +80,15 @@ def test_every_spec_in_search_spaces_loads() -> None:
     assert len(specs) >= 4
     for path in specs:
         assert load_spec(path).study, path
+
+
+def test_the_maxtext_answer_in_the_spec_page_is_what_best_prints_for_its_study(cli) -> None:  # type: ignore[no-untyped-def]
+    """docs/spec.md shows `best --format maxtext` of the MaxText-shaped study kept in
+    benchmarks/results/studies: read from that study now, it prints the same settings."""
+    page = (REPO / "docs" / "spec.md").read_text()
+    shown = page.split("--budget device --format maxtext` printed:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    storage = f"sqlite:///{REPO / 'benchmarks' / 'results' / 'studies' / 'maxtext-16b-v5e.db'}"
+    result = cli("best", "--study", "maxtext-16b-v5e", "--budget", "device", "--format", "maxtext", "--storage", storage)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == shown
+    assert "per_device_batch_size: 2" in shown and "remat_policy:" in shown
