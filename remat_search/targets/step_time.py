@@ -69,16 +69,28 @@ class Chip(BaseModel):
     ici_bytes_per_second: float | None = None
     """What one chip's links carry in one direction (half the published bidirectional
     per-chip ICI bandwidth); None where Google Cloud publishes no per-chip figure."""
+    host_bytes_per_second: float | None = None
+    """What the chip's link to its host's memory carries in one direction: the price of
+    moving an offloaded tensor to pinned host memory or back. None: not priced."""
 
+
+TPU_HOST_BYTES_PER_SECOND = 1.5e10
+"""A TPU chip's host link (PCIe), one direction. Google Cloud publishes no per-chip figure;
+this is the one "How to Scale Your Model" (jax-ml.github.io/scaling-book, part 2, "TPUs")
+works with, used for every generation. An assumption, stated where estimates are shown."""
 
 # Google Cloud's published per-chip figures (bf16 dense FLOP/s, HBM bandwidth, bidirectional
 # ICI bandwidth per chip halved): cloud.google.com/tpu/docs/v5e, /v5p, /v6e. The v4 page
-# gives no per-chip ICI bandwidth.
+# gives no per-chip ICI bandwidth. The host link: TPU_HOST_BYTES_PER_SECOND.
 CHIPS = {
-    "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9),
-    "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9, ici_bytes_per_second=200e9),
-    "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9),
-    "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9),
+    "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9,
+               host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+    "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9, ici_bytes_per_second=200e9,
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+    "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9,
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+    "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9,
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
 }
 
 
@@ -88,7 +100,7 @@ class StepEstimate(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     seconds: float
-    """The estimate: :attr:`compute_seconds` + :attr:`collective_seconds`."""
+    """The estimate: :attr:`compute_seconds` + :attr:`host_wait_seconds` + :attr:`collective_seconds`."""
     compute_seconds: float
     """Sum over the executed instructions of max(FLOPs / peak, HBM bytes / bandwidth)."""
     collective_seconds: float
@@ -98,6 +110,13 @@ class StepEstimate(BaseModel):
     collective_bytes: float
     instructions: int
     """Instructions priced (each loop iteration counted)."""
+    host_bytes: float = 0.0
+    """Bytes moved between the device and pinned host memory (offloaded tensors, both ways)."""
+    host_seconds: float = 0.0
+    """:attr:`host_bytes` at the chip's host-link bandwidth: how long the link is busy."""
+    host_wait_seconds: float = 0.0
+    """The part of :attr:`host_seconds` that computation waits for: a transfer overlaps
+    the instructions scheduled between its start and its done, and no more."""
     unknown_trip_counts: int = 0
     """Loops whose trip count the compiler did not state: counted once each."""
     roofline_seconds: float | None = None
@@ -110,13 +129,14 @@ def estimate_step(hlo: str, chip: Chip, cost: dict[str, float] | None = None) ->
     (see the module's docstring), with the whole-program roofline of the compiler's cost
     analysis ``cost`` beside it where given."""
     module = parse(hlo)
-    total = _cost_of(module, module.entry, {})
-    compute = total.compute_seconds(chip)
+    total = _cost_of(module, module.entry, {}, chip)
     collective = total.collective_bytes / chip.ici_bytes_per_second if chip.ici_bytes_per_second else 0.0
     return StepEstimate(
-        seconds=compute + collective, compute_seconds=compute, collective_seconds=collective,
-        flops=total.flops, hbm_bytes=total.hbm_bytes, collective_bytes=total.collective_bytes,
-        instructions=total.instructions, unknown_trip_counts=total.unknown_trips,
+        seconds=total.compute_seconds + total.host_wait_seconds + collective, compute_seconds=total.compute_seconds,
+        collective_seconds=collective, flops=total.flops, hbm_bytes=total.hbm_bytes,
+        collective_bytes=total.collective_bytes, instructions=total.instructions,
+        unknown_trip_counts=total.unknown_trips, host_bytes=total.host_bytes,
+        host_seconds=_link_seconds(total.host_bytes, chip), host_wait_seconds=total.host_wait_seconds,
         roofline_seconds=roofline_seconds(cost, chip) if cost is not None else None,
     )
 
@@ -143,24 +163,33 @@ _FREE = {
     "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done", "all-to-all-done",
 }
 _SLICES = {"slice", "dynamic-slice", "gather"}
+_ALLOCATION = 'custom_call_target="AllocateBuffer"'
+"""A buffer made, not written (XLA:GPU's for a host-offload destination): free."""
 _COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all"}
 
 
 # --- pricing ----------------------------------------------------------------------------
 
+HOST_MEMORY_SPACE = 5
+"""XLA's memory space of pinned host memory (``S(5)`` in a layout): where an ``offload``
+policy's tensors go, by ``copy-start``/``copy-done`` on TPU or by an asynchronous
+dynamic-update-slice and dynamic-slice on GPU."""
+
 
 @dataclass
 class _Cost:
-    """What a run of instructions adds up to. Compute time is priced per instruction, so it is
-    kept as the per-instruction roofline terms summed for the chip at hand."""
+    """What a run of instructions adds up to, at one chip."""
 
     flops: float = 0.0
     hbm_bytes: float = 0.0
     collective_bytes: float = 0.0
     instructions: int = 0
     unknown_trips: int = 0
-    priced: list[tuple[float, float]] = field(default_factory=list)
-    """(FLOPs, HBM bytes) of each priced instruction, with its multiplicity folded in."""
+    compute_seconds: float = 0.0
+    """Each priced instruction's max(FLOPs / peak, HBM bytes / bandwidth), summed."""
+    host_bytes: float = 0.0
+    host_wait_seconds: float = 0.0
+    """Time computation waits for transfers to or from host memory."""
     channels: dict[str, float] = field(default_factory=dict)
     """Bytes of collectives by channel: the TPU compiler splits one collective over a chain of
     fusions, each printing it whole, so a channel counts once a computation."""
@@ -173,43 +202,76 @@ class _Cost:
             self.channels[channel] = max(self.channels.get(channel, 0.0), nbytes)
         self.instructions += other.instructions * times
         self.unknown_trips += other.unknown_trips * times
-        self.priced.extend((f * times, b * times) for f, b in other.priced)
+        self.compute_seconds += other.compute_seconds * times
+        self.host_bytes += other.host_bytes * times
+        self.host_wait_seconds += other.host_wait_seconds * times
 
-    def compute_seconds(self, chip: Chip) -> float:
-        return sum(max(f / chip.bf16_flops, b / chip.hbm_bytes_per_second) for f, b in self.priced)
+
+def _link_seconds(nbytes: float, chip: Chip) -> float:
+    """``nbytes`` over the chip's host link (0 where the chip has no figure)."""
+    return nbytes / chip.host_bytes_per_second if chip.host_bytes_per_second else 0.0
 
 
-def _cost_of(module: Module, name: str, memo: dict[str, _Cost]) -> _Cost:
-    """The cost of running computation ``name`` once, as a schedule of instructions."""
+def _cost_of(module: Module, name: str, memo: dict[str, _Cost], chip: Chip) -> _Cost:
+    """The cost of running computation ``name`` once, as a schedule of instructions.
+
+    Host transfers run on the chip's host link beside computation: one started
+    asynchronously (a ``-start``) queues on the link, first come first served, and the
+    instruction that waits for it (its ``-done``) waits only for what the instructions
+    scheduled between them did not cover; a synchronous one waits for itself. A transfer
+    still running at the end of the computation is waited for there."""
     if name in memo:
         return memo[name]
     computation = module.computations.get(name)
     total = _Cost()
+    clock = link = 0.0  # this computation's time so far, and when the host link is next free
+    running: dict[str, float] = {}  # asynchronous host transfers: when each ends
     for ins in computation.instructions if computation else ():
-        total.add(_instruction_cost(module, computation, ins, memo))
+        cost = _instruction_cost(module, computation, ins, memo, chip)
+        total.add(cost)
+        busy = cost.compute_seconds + cost.host_wait_seconds
+        moved = _host_bytes(module, computation, ins)
+        if moved:
+            total.host_bytes += moved
+            link = max(clock, link) + _link_seconds(moved, chip)
+            if ins.opcode.endswith("-start"):
+                running[ins.name] = link
+            else:
+                busy = max(busy, link - clock)
+                total.host_wait_seconds += busy - cost.compute_seconds - cost.host_wait_seconds
+        elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in running:
+            wait = max(0.0, running.pop(ins.operands[0]) - clock)
+            total.host_wait_seconds += wait
+            busy += wait
+        clock += busy
+    if running:
+        total.host_wait_seconds += max(0.0, max(running.values()) - clock)
     total.collective_bytes += sum(total.channels.values())
     total.channels = {}
     memo[name] = total
     return total
 
 
-def _instruction_cost(module: Module, computation: Computation, ins: Instruction, memo: dict[str, _Cost]) -> _Cost:
-    """The cost of one scheduled instruction (see the module's docstring)."""
+def _instruction_cost(
+    module: Module, computation: Computation, ins: Instruction, memo: dict[str, _Cost], chip: Chip
+) -> _Cost:
+    """The cost of one scheduled instruction (see the module's docstring), its host
+    transfer aside (:func:`_cost_of` times those)."""
     opcode, called = ins.opcode, dict(_CALLED.findall(ins.attributes))
-    if opcode in _FREE:
+    if opcode in _FREE or opcode.endswith("-done") or _ALLOCATION in ins.attributes:
         return _Cost()
     if opcode == "while":
         trip = trip_count(module, computation, ins, called.get("condition", ""), called.get("body", ""))
         cost = _Cost(unknown_trips=0 if trip else 1)
-        cost.add(_cost_of(module, called.get("body", ""), memo), trip or 1)
+        cost.add(_cost_of(module, called.get("body", ""), memo, chip), trip or 1)
         return cost
     if opcode == "conditional":
         names = [b.strip().lstrip("%") for b in _BRANCHES.search(ins.attributes)[1].split(",")] if _BRANCHES.search(
             ins.attributes) else [called.get("true_computation", ""), called.get("false_computation", "")]
-        branches = [_cost_of(module, n, memo) for n in names if n]
+        branches = [_cost_of(module, n, memo, chip) for n in names if n]
         return max(branches, key=lambda c: (c.flops, c.hbm_bytes, c.collective_bytes), default=_Cost())
     if opcode == "call":
-        return _cost_of(module, called.get("to_apply", ""), memo)
+        return _cost_of(module, called.get("to_apply", ""), memo, chip)
     if opcode.removesuffix("-start") in _COLLECTIVES:
         return _Cost(instructions=1, channels=_collectives(computation, [ins]))
     moved = _moved(module, computation, ins)
@@ -217,29 +279,69 @@ def _instruction_cost(module: Module, computation: Computation, ins: Instruction
     fused = called.get("calls", "") if opcode == "fusion" else ""
     channels = _collectives(module.computations[fused], module.computations[fused].instructions) if (
         fused in module.computations) else {}
-    return _Cost(flops=flops, hbm_bytes=moved, instructions=1, priced=[(flops, moved)], channels=channels)
+    seconds = max(flops / chip.bf16_flops, moved / chip.hbm_bytes_per_second)
+    return _Cost(flops=flops, hbm_bytes=moved, instructions=1, compute_seconds=seconds, channels=channels)
 
 
-def _moved(module: Module, computation: Computation, ins: Instruction) -> float:
-    """HBM bytes ``ins`` reads and writes: each operand in full and its result, except where it
-    touches part of a buffer, as XLA's own cost analysis counts: a slice (``slice``,
-    ``dynamic-slice``, ``gather``, also inside a fusion) reads only what it keeps, and an update
-    in place (``dynamic-update-slice``) reads and writes only the update, not the buffer it
-    updates. A scanned model's loop slices its layer out of stacked arrays, and writes its
-    saved activations into them, this way every iteration."""
+_CONTROL = {"while", "call", "conditional"}
+
+
+def _host_bytes(module: Module, computation: Computation, ins: Instruction) -> float:
+    """Bytes ``ins`` itself moves between the device and pinned host memory: a copy from one
+    to the other moves its array; an instruction or fusion that reads or writes a buffer in
+    host memory moves what it touches of it (a slice, an in-place update: as :func:`_moved`
+    counts HBM bytes)."""
+    if ins.opcode in _FREE or ins.opcode in _CONTROL or ins.opcode.endswith("-done") or _ALLOCATION in ins.attributes:
+        return 0.0
+    operands = [computation.shapes.get(o, "") for o in ins.operands]
+    if f"S({HOST_MEMORY_SPACE})" not in ins.shape + "".join(operands):
+        return 0.0
+    if ins.opcode in ("copy", "copy-start"):
+        result, source = _results(computation, ins), shape_arrays(operands[0]) if operands else []
+        crosses = result and source and (result[0][2] == HOST_MEMORY_SPACE) != (source[0][2] == HOST_MEMORY_SPACE)
+        return result[0][1] if crosses else 0.0
+    return _moved(module, computation, ins, HOST_MEMORY_SPACE)
+
+
+def _results(computation: Computation, ins: Instruction) -> list[tuple[int, float, int]]:
+    """The arrays ``ins`` writes (elements, bytes, memory space): an asynchronous start's
+    shape also holds its operands and a context, which it does not write."""
+    arrays = shape_arrays(ins.shape)
+    if not ins.opcode.endswith("-start") or len(arrays) < 2:
+        return arrays
+    if ins.shape.startswith("(("):  # ((operands), results, context)
+        given = sum(len(shape_arrays(computation.shapes.get(o, ""))) for o in ins.operands)
+        return arrays[given:-1]
+    return arrays[:1]  # (destination, source, context)
+
+
+def _moved(module: Module, computation: Computation, ins: Instruction, space: int = 0) -> float:
+    """Bytes ``ins`` reads and writes in memory ``space`` (HBM, the default; or host
+    memory): each operand in full and its result, except where it touches part of a buffer,
+    as XLA's own cost analysis counts: a slice (``slice``, ``dynamic-slice``, ``gather``,
+    also inside a fusion) reads only what it keeps, and an update in place
+    (``dynamic-update-slice``) reads and writes only the update, not the buffer it updates.
+    A scanned model's loop slices its layer out of stacked arrays, and writes its saved
+    activations into them, this way every iteration."""
     shapes = computation.shapes
+
+    def in_space(shape: str) -> float:
+        return sum(nbytes for _, nbytes, where in shape_arrays(shape) if where == space)
+
+    results = _results(computation, ins)
     if ins.opcode.removesuffix("-start") in _SLICES:
-        arrays = shape_arrays(ins.shape)
-        kept = arrays[1] if ins.opcode.endswith("-start") and len(arrays) > 1 else arrays[0]
+        kept = results[0] if results else (0, 0.0, -1)
         source = shape_arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
-        return (kept[1] if source and source[0][2] == 0 else 0.0) + (kept[1] if kept[2] == 0 else 0.0)
-    if ins.opcode == "dynamic-update-slice":
-        update = hbm_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
-        return 2 * update if shape_arrays(ins.shape)[0][2] == 0 else update
+        return (kept[1] if source and source[0][2] == space else 0.0) + (kept[1] if kept[2] == space else 0.0)
+    if ins.opcode.removesuffix("-start") == "dynamic-update-slice":
+        update = shapes.get(ins.operands[1], "") if len(ins.operands) > 1 else ""
+        updated = bool(results) and results[0][2] == space
+        return (array_bytes(update) if updated else 0.0) + in_space(update)
     fused = module.computations.get(dict(_CALLED.findall(ins.attributes)).get("calls", "")) if (
-        ins.opcode == "fusion") else None
-    reads = [hbm_bytes(shapes.get(o, "")) for o in ins.operands]
-    written = 0.0 if ins.opcode.endswith("-start") else hbm_bytes(ins.shape)
+        ins.opcode.removesuffix("-start") == "fusion") else None
+    reads = [in_space(shapes.get(o, "")) for o in ins.operands]
+    written = 0.0 if ins.opcode.endswith("-start") and ins.opcode != "fusion-start" else sum(
+        nbytes for _, nbytes, where in results if where == space)
     if fused is None:
         return sum(reads) + written
     users: dict[str, list[Instruction]] = {}
@@ -269,11 +371,10 @@ def _moved(module: Module, computation: Computation, ins: Instruction) -> float:
     root = fused.instructions[-1] if fused.instructions else None
     outputs = [origin(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [origin(
         root.name) if root is not None else None]
-    arrays = shape_arrays(ins.shape)
-    if len(outputs) == len(arrays) and not ins.opcode.endswith("-start"):
+    if len(outputs) == len(results) and written:
         written = sum(
             (array_bytes(fused.shapes.get(out.operands[1], "")) if out is not None and out.opcode == "dynamic-update-slice"
-             else nbytes) for out, (_, nbytes, space) in zip(outputs, arrays, strict=True) if space == 0
+             else nbytes) for out, (_, nbytes, where) in zip(outputs, results, strict=True) if where == space
         )
     return sum(reads) + written
 
