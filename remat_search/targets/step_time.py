@@ -35,10 +35,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict
 
+from remat_search.targets.gpu_kernels import kernel_flops, without_workspace
 from remat_search.targets.hlo import (
     Computation,
     Instruction,
@@ -51,6 +52,7 @@ from remat_search.targets.hlo import (
     shape_elements,
     through_copies,
     trip_count,
+    tuple_elements,
 )
 
 TIME_MODEL = "fusions"
@@ -80,6 +82,23 @@ CHIPS = {
     "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9),
     "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9),
 }
+
+# NVIDIA's published per-GPU figures for the SXM parts (dense bf16 Tensor Core FLOP/s: the
+# datasheets' 1,979 TFLOP/s is with 2:4 sparsity, half of it dense; HBM bandwidth), from the
+# H100 datasheet (nvidia.com/en-us/data-center/h100/) and the H200's
+# (nvidia.com/en-us/data-center/h200/). NVLink is not inter-chip ICI: left None, so a GPU
+# estimate prices no collectives. Not in CHIPS, whose keys are TPU topology generations.
+GPUS = {
+    "h100": Chip(name="NVIDIA H100 SXM", bf16_flops=989e12, hbm_bytes_per_second=3.35e12),
+    "h200": Chip(name="NVIDIA H200 SXM", bf16_flops=989e12, hbm_bytes_per_second=4.8e12),
+}
+
+
+def gpu_chip(device_kind: str) -> Chip | None:
+    """The :data:`GPUS` entry of a JAX GPU's ``device_kind`` (``"NVIDIA H100 80GB HBM3"`` →
+    H100), or None for a GPU not listed there."""
+    words = re.findall(r"[a-z0-9]+", device_kind.lower())
+    return next((GPUS[w] for w in words if w in GPUS), None)
 
 
 class StepEstimate(BaseModel):
@@ -141,6 +160,7 @@ _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
     "opt-barrier", "add-dependency", "domain", "copy-done", "async-done", "slice-done", "send-done", "recv-done",
     "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done", "all-to-all-done",
+    "fusion-done",
 }
 _SLICES = {"slice", "dynamic-slice", "gather"}
 _COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all"}
@@ -195,6 +215,7 @@ def _cost_of(module: Module, name: str, memo: dict[str, _Cost]) -> _Cost:
 
 def _instruction_cost(module: Module, computation: Computation, ins: Instruction, memo: dict[str, _Cost]) -> _Cost:
     """The cost of one scheduled instruction (see the module's docstring)."""
+    ins = _as_run(ins)
     opcode, called = ins.opcode, dict(_CALLED.findall(ins.attributes))
     if opcode in _FREE:
         return _Cost()
@@ -218,6 +239,19 @@ def _instruction_cost(module: Module, computation: Computation, ins: Instruction
     channels = _collectives(module.computations[fused], module.computations[fused].instructions) if (
         fused in module.computations) else {}
     return _Cost(flops=flops, hbm_bytes=moved, instructions=1, priced=[(flops, moved)], channels=channels)
+
+
+def _as_run(ins: Instruction) -> Instruction:
+    """``ins`` as it is priced: XLA:GPU's asynchronous fusion (a ``fusion-start`` shaped
+    (operands, result, context), with a free ``fusion-done``) as the fusion it runs; a GPU
+    library kernel without the scratch workspace its result carries (not traffic of the step's
+    arrays); any other instruction as it is."""
+    if ins.opcode == "custom-call":
+        return replace(ins, shape=without_workspace(ins.shape, ins.attributes))
+    if ins.opcode != "fusion-start":
+        return ins
+    elements = tuple_elements(ins.shape)
+    return replace(ins, opcode="fusion", shape=elements[1] if len(elements) > 1 else ins.shape)
 
 
 def _moved(module: Module, computation: Computation, ins: Instruction) -> float:
@@ -295,7 +329,7 @@ def _flops(module: Module, computation: Computation, ins: Instruction) -> float:
     """The matmul FLOPs of ``ins``: its own, those inside the fusion it is, or a kernel's estimate."""
     if ins.opcode == "custom-call":
         estimate = _COST_ESTIMATE.search(ins.attributes)
-        return float(json.loads(estimate[1]).get("flops", 0)) if estimate else 0.0
+        return float(json.loads(estimate[1]).get("flops", 0)) if estimate else kernel_flops(computation, ins) or 0.0
     if ins.opcode in ("dot", "convolution"):
         return _matmul_flops(computation, ins)
     called = dict(_CALLED.findall(ins.attributes)).get("calls")
