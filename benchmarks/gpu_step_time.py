@@ -4,10 +4,11 @@ The step-time model (:func:`remat_search.targets.step_time.estimate_step`) was b
 programs; this checks it on a GPU, where every plan can also be run. On a machine with one
 NVIDIA GPU (H100 or H200, :data:`~remat_search.targets.step_time.GPUS`):
 
-    python benchmarks/gpu_step_time.py                        # every model × plan; results/gpu_step_time.md
-    python benchmarks/gpu_step_time.py --out /tmp/g --hlo     # elsewhere, keeping each compiled program
-    python benchmarks/gpu_step_time.py --estimate /tmp/g      # on any machine: the table again, re-estimated
-                                                              # from the kept programs (after a model change)
+    python benchmarks/gpu_step_time.py --hlo                  # every model × plan: results/gpu_step_time.md,
+                                                              # each compiled program under results/hlo
+    python benchmarks/gpu_step_time.py --out /tmp/g           # elsewhere
+    python benchmarks/gpu_step_time.py --estimate benchmarks/results   # on any machine: the table again,
+                                                              # re-estimated from the kept programs
 
 For each small decoder (the built-in transformer, scanned, dense attention as ``auto`` resolves
 on a GPU without a mesh: ``jax.nn.dot_product_attention``'s XLA composition) and each plan, it
