@@ -120,6 +120,24 @@ def shape_arrays(shape: str) -> list[tuple[int, float, int]]:
     return found
 
 
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape, each as text (``(a, (b, c), d)`` → ``a``,
+    ``(b, c)``, ``d``); an array shape is its own one element."""
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, start = [], 0, 1
+    for i, c in enumerate(shape):
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        if (c == "," and depth == 1) or (c == ")" and depth == 0):
+            text = re.sub(r"/\*[^*]*\*/", "", shape[start:i]).strip()
+            elements += [text] if text else []
+            start = i + 1
+    return elements
+
+
 def hbm_bytes(shape: str) -> float:
     """Bytes of the arrays of ``shape`` that live in HBM (the default memory space)."""
     return sum(nbytes for _, nbytes, space in shape_arrays(shape) if space == 0)

@@ -35,10 +35,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict
 
+from remat_search.targets.gpu_kernels import kernel_flops, without_workspace
 from remat_search.targets.hlo import (
     Computation,
     Instruction,
@@ -51,6 +52,7 @@ from remat_search.targets.hlo import (
     shape_elements,
     through_copies,
     trip_count,
+    tuple_elements,
 )
 
 TIME_MODEL = "fusions"
@@ -92,6 +94,24 @@ CHIPS = {
     "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9,
                 host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
 }
+
+# NVIDIA's published per-GPU figures for the SXM parts (dense bf16 Tensor Core FLOP/s: the
+# datasheets' 1,979 TFLOP/s is with 2:4 sparsity, half of it dense; HBM bandwidth), from the
+# H100 datasheet (nvidia.com/en-us/data-center/h100/) and the H200's
+# (nvidia.com/en-us/data-center/h200/). NVLink is not inter-chip ICI: left None, so a GPU
+# estimate prices no collectives. Not in CHIPS, whose keys are TPU topology generations.
+# The host link: PCIe Gen5 x16, the datasheets' 128 GB/s counted both ways, 64 GB/s one way.
+GPUS = {
+    "h100": Chip(name="NVIDIA H100 SXM", bf16_flops=989e12, hbm_bytes_per_second=3.35e12, host_bytes_per_second=64e9),
+    "h200": Chip(name="NVIDIA H200 SXM", bf16_flops=989e12, hbm_bytes_per_second=4.8e12, host_bytes_per_second=64e9),
+}
+
+
+def gpu_chip(device_kind: str) -> Chip | None:
+    """The :data:`GPUS` entry of a JAX GPU's ``device_kind`` (``"NVIDIA H100 80GB HBM3"`` →
+    H100), or None for a GPU not listed there."""
+    words = re.findall(r"[a-z0-9]+", device_kind.lower())
+    return next((GPUS[w] for w in words if w in GPUS), None)
 
 
 class StepEstimate(BaseModel):
@@ -161,6 +181,7 @@ _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
     "opt-barrier", "add-dependency", "domain", "copy-done", "async-done", "slice-done", "send-done", "recv-done",
     "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done", "all-to-all-done",
+    "fusion-done",
 }
 _SLICES = {"slice", "dynamic-slice", "gather"}
 _ALLOCATION = 'custom_call_target="AllocateBuffer"'
@@ -257,6 +278,7 @@ def _instruction_cost(
 ) -> _Cost:
     """The cost of one scheduled instruction (see the module's docstring), its host
     transfer aside (:func:`_cost_of` times those)."""
+    ins = _as_run(ins)
     opcode, called = ins.opcode, dict(_CALLED.findall(ins.attributes))
     if opcode in _FREE or opcode.endswith("-done") or _ALLOCATION in ins.attributes:
         return _Cost()
@@ -281,6 +303,19 @@ def _instruction_cost(
         fused in module.computations) else {}
     seconds = max(flops / chip.bf16_flops, moved / chip.hbm_bytes_per_second)
     return _Cost(flops=flops, hbm_bytes=moved, instructions=1, compute_seconds=seconds, channels=channels)
+
+
+def _as_run(ins: Instruction) -> Instruction:
+    """``ins`` as it is priced: XLA:GPU's asynchronous fusion (a ``fusion-start`` shaped
+    (operands, result, context), with a free ``fusion-done``) as the fusion it runs; a GPU
+    library kernel without the scratch workspace its result carries (not traffic of the step's
+    arrays); any other instruction as it is."""
+    if ins.opcode == "custom-call":
+        return replace(ins, shape=without_workspace(ins.shape, ins.attributes))
+    if ins.opcode != "fusion-start":
+        return ins
+    elements = tuple_elements(ins.shape)
+    return replace(ins, opcode="fusion", shape=elements[1] if len(elements) > 1 else ins.shape)
 
 
 _CONTROL = {"while", "call", "conditional"}
@@ -396,7 +431,7 @@ def _flops(module: Module, computation: Computation, ins: Instruction) -> float:
     """The matmul FLOPs of ``ins``: its own, those inside the fusion it is, or a kernel's estimate."""
     if ins.opcode == "custom-call":
         estimate = _COST_ESTIMATE.search(ins.attributes)
-        return float(json.loads(estimate[1]).get("flops", 0)) if estimate else 0.0
+        return float(json.loads(estimate[1]).get("flops", 0)) if estimate else kernel_flops(computation, ins) or 0.0
     if ins.opcode in ("dot", "convolution"):
         return _matmul_flops(computation, ins)
     called = dict(_CALLED.findall(ins.attributes)).get("calls")

@@ -14,7 +14,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TpuTarget
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS, Chip, estimate_step
+from remat_search.targets.step_time import CHIPS, GPUS, Chip, estimate_step, gpu_chip
 from remat_search.targets.base import target_of
 from remat_search.workloads.base import build_workload
 
@@ -291,7 +291,7 @@ def test_host_transfers_cost_the_host_link_beside_the_compute_between_start_and_
 
 
 def test_published_chips_price_the_host_link() -> None:
-    assert all(chip.host_bytes_per_second for chip in CHIPS.values())
+    assert all(chip.host_bytes_per_second for chip in [*CHIPS.values(), *GPUS.values()])
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +329,94 @@ def test_a_scanned_stack_offloads_below_keeping_on_the_device(offloaded: dict[st
     # the device at the peak (docs/tpu.md, "Offload"); no claim is made of that order.
     assert offloaded["offload"].peak_bytes < offloaded["keep"].peak_bytes
     assert offloaded["offload"].memory.host_temp > 0 == offloaded["keep"].memory.host_temp
+
+
+# --- XLA:GPU programs ---------------------------------------------------------------------
+# Instructions below are copied from programs XLA:GPU compiled on an H100 (jax 0.11.2; the
+# built-in transformer's step and jax.nn.dot_product_attention with implementation="cudnn"),
+# metadata and most of each backend_config trimmed.
+
+GPU = Chip(name="test GPU", bf16_flops=1e15, hbm_bytes_per_second=1e12)
+
+GPU_MODULE = """HloModule jit_train_step, is_scheduled=true
+
+%gemm_fusion_dot.47_computation (parameter_0.3: bf16[256,2048,64], parameter_1.3: bf16[256,64,2048]) -> f32[256,2048,2048] {
+  %parameter_0.3 = bf16[256,2048,64]{2,1,0} parameter(0)
+  %parameter_1.3 = bf16[256,64,2048]{2,1,0} parameter(1)
+  ROOT %dot.61 = f32[256,2048,2048]{2,1,0} dot(%parameter_0.3, %parameter_1.3), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, algorithm=dot_bf16_bf16_f32, backend_config={"sizes":["64"]}
+}
+
+%fused_dynamic_update_slice.25.clone (param_0: f32[8,16,2048,2048], param_1: f32[1,16,2048,2048], param_2: s32[]) -> f32[8,16,2048,2048] {
+  %param_0 = f32[8,16,2048,2048]{3,2,1,0} parameter(0)
+  %param_1 = f32[1,16,2048,2048]{3,2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %constant_0 = s32[] constant(0)
+  ROOT %dynamic_update_slice.1 = f32[8,16,2048,2048]{3,2,1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %constant_0, %constant_0, %constant_0)
+}
+
+ENTRY %main.73 (x: bf16[32768,1024], w: bf16[1024,1024], q: bf16[256,2048,64], k: bf16[256,64,2048], saved: f32[8,16,2048,2048], i: s32[], scores: f32[1,16,2048,2048]) -> (bf16[32768,1024], f32[256,2048,2048], f32[8,16,2048,2048]) {
+  %x = bf16[32768,1024]{1,0} parameter(0)
+  %w = bf16[1024,1024]{1,0} parameter(1)
+  %q = bf16[256,2048,64]{2,1,0} parameter(2)
+  %k = bf16[256,64,2048]{2,1,0} parameter(3)
+  %saved = f32[8,16,2048,2048]{3,2,1,0} parameter(4)
+  %i = s32[] parameter(5)
+  %scores = f32[1,16,2048,2048]{3,2,1,0} parameter(6)
+  %custom-call.9 = (bf16[32768,1024]{1,0}, s8[33554432]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config={"device_type":"DEVICE_TYPE_INVALID","gemm_backend_config":{"alpha_imag":0,"alpha_real":1,"autotune_workspace_size":"33554432","beta":0,"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"epilogue":"DEFAULT","selected_algorithm":"3"},"operation_queue_id":"0"}
+  %get-tuple-element.1 = bf16[32768,1024]{1,0} get-tuple-element(%custom-call.9), index=0
+  %gemm_fusion_dot.47 = f32[256,2048,2048]{2,1,0} fusion(%q, %k), kind=kCustom, calls=%gemm_fusion_dot.47_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %fusion-start.12 = ((f32[8,16,2048,2048]{3,2,1,0}, f32[1,16,2048,2048]{3,2,1,0}, s32[]), f32[8,16,2048,2048]{3,2,1,0}, u32[]) fusion-start(%saved, %scores, %i), kind=kLoop, calls=%fused_dynamic_update_slice.25.clone
+  %fusion-done.12 = f32[8,16,2048,2048]{3,2,1,0} fusion-done(%fusion-start.12)
+  ROOT %tuple.1 = (bf16[32768,1024]{1,0}, f32[256,2048,2048]{2,1,0}, f32[8,16,2048,2048]{3,2,1,0}) tuple(%get-tuple-element.1, %gemm_fusion_dot.47, %fusion-done.12)
+}
+"""
+
+_FMHA_CONFIG = (
+    '"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","8","1024","1024"],'
+    '"element_type":"BF16"},"is_flash_attention":true,"mask_type":"CAUSAL"}'
+)
+CUDNN_MODULE = f"""HloModule jit_attention, is_scheduled=true
+
+ENTRY %main.20 (q.1: bf16[2,1024,8,128], k.1: bf16[2,1024,8,128], v.1: bf16[2,1024,8,128], g: bf16[2,1024,8,128]) -> bf16[2,8,1024,128] {{
+  %q.1 = bf16[2,1024,8,128]{{3,2,1,0}} parameter(0)
+  %k.1 = bf16[2,1024,8,128]{{3,2,1,0}} parameter(1)
+  %v.1 = bf16[2,1024,8,128]{{3,2,1,0}} parameter(2)
+  %g = bf16[2,1024,8,128]{{3,2,1,0}} parameter(3)
+  %dot_product_attention_fwd.5 = (bf16[2,8,1024,128]{{3,1,2,0}}, f32[2,8,1024]{{2,1,0}}, u8[256]{{0}}) custom-call(%q.1, %k.1, %v.1), custom_call_target="__cudnn$fmhaSoftmax", backend_config={{{_FMHA_CONFIG}}}
+  %out = bf16[2,8,1024,128]{{3,1,2,0}} get-tuple-element(%dot_product_attention_fwd.5), index=0
+  %stats = f32[2,8,1024]{{2,1,0}} get-tuple-element(%dot_product_attention_fwd.5), index=1
+  ROOT %dot_product_attention_bwd.8 = (bf16[2,8,1024,128]{{3,1,2,0}}, bf16[2,8,1024,128]{{3,1,2,0}}, bf16[2,8,1024,128]{{3,1,2,0}}, u8[8454400]{{0}}) custom-call(%q.1, %k.1, %v.1, %stats, %g, %out), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={{{_FMHA_CONFIG}}}
+}}
+"""
+
+
+def test_gpu_chips_are_found_by_the_device_kind_jax_reports() -> None:
+    assert gpu_chip("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert gpu_chip("NVIDIA H200") is GPUS["h200"]
+    assert gpu_chip("NVIDIA A100-SXM4-80GB") is None
+    assert gpu_chip("TPU v5 lite") is None
+    assert not set(GPUS) & set(CHIPS)  # CHIPS's keys are TPU topology generations
+    assert all(chip.ici_bytes_per_second is None for chip in GPUS.values())
+
+
+def test_gpu_matmuls_count_in_cublas_calls_and_triton_fusions_and_async_fusions_once() -> None:
+    estimate = estimate_step(GPU_MODULE, GPU)
+    cublas = 2 * 32768 * 1024 * 1024  # 2 × output elements × the contracted 1024
+    triton = 2 * 256 * 2048 * 2048 * 64  # the dot inside the nested gemm fusion
+    assert estimate.flops == cublas + triton
+    gemm_bytes = (32768 * 1024 + 1024 * 1024) * 2 + 32768 * 1024 * 2  # no 32 MiB workspace
+    triton_bytes = 2 * 256 * 2048 * 64 * 2 + 256 * 2048 * 2048 * 4
+    update_bytes = 2 * 16 * 2048 * 2048 * 4 + 4  # the async update in place: the slice read and written, the index
+    assert estimate.hbm_bytes == gemm_bytes + triton_bytes + update_bytes
+    assert estimate.instructions == 3  # fusion-done is free; so is the tuple
+    expected = max(cublas / 1e15, gemm_bytes / 1e12) + max(triton / 1e15, triton_bytes / 1e12) + update_bytes / 1e12
+    assert estimate.seconds == pytest.approx(expected)
+    assert estimate.collective_seconds == 0.0
+
+
+def test_cudnn_attention_counts_two_matmuls_forward_and_five_backward() -> None:
+    one = 2 * 2 * 8 * 1024 * 1024 * 128  # 2·B·H·Sq·Sk·D
+    estimate = estimate_step(CUDNN_MODULE, GPU)
+    assert estimate.flops == 2 * one + 5 * one
+    q = 2 * 1024 * 8 * 128 * 2
+    assert estimate.hbm_bytes == (3 * q + q + 2 * 8 * 1024 * 4) + (5 * q + 2 * 8 * 1024 * 4 + 3 * q)
