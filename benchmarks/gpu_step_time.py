@@ -77,7 +77,8 @@ def transformer(shape: dict[str, Any]) -> Any:
 
 def measure(models: list[dict[str, Any]], plans: dict[str, dict[str, Any]], out: Path, *,
             build: Build = transformer, keep_hlo: bool = True) -> list[dict[str, Any]]:
-    """Measure and estimate every (model, plan) on this process's GPU, each in a fresh process;
+    """Measure and estimate every (model, plan) on this process's GPU, each in a fresh process
+    (a shape's own ``plans``, where it has them, instead of ``plans``);
     write ``out/gpu_step_time.json`` and ``.md`` (and each program's text under ``out/hlo``
     where ``keep_hlo``) and return the rows. A plan that does not compile or run gets a row
     with its ``error``. The calling process must not have started JAX on the GPU (it would
@@ -85,7 +86,7 @@ def measure(models: list[dict[str, Any]], plans: dict[str, dict[str, Any]], out:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in models:
-        for label, layer in plans.items():
+        for label, layer in shape.get("plans", plans).items():
             hlo = out / "hlo" / f"{shape['name']}-{label}.hlo.gz" if keep_hlo else None
             try:
                 row = _fresh(_one, build, shape, label, layer, hlo)
@@ -170,7 +171,7 @@ def reestimate(out: Path) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of ``rows`` and the spread of estimated / measured."""
     lines = [
-        "| model | plan | compiled peak | measured peak | host bytes | measured ms | estimated ms | est./meas. |",
+        "| model | plan | compiled peak | measured peak | host memory | measured ms | estimated ms | est./meas. |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     ratios = []

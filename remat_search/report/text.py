@@ -180,11 +180,16 @@ def _estimate_line(m: RawMeasurement) -> str:
             "(the older model; nothing was run)"
         )
     old = f"; the whole-program roofline says {format_seconds(e.roofline_seconds)}" if e.roofline_seconds else ""
+    host = (
+        f" + waiting for host transfers {format_seconds(e.host_wait_seconds)} ({e.host_bytes / 1e9:.3f} GB to and "
+        f"from host memory, the link busy {format_seconds(e.host_seconds)}, overlapped with the compute between "
+        f"each transfer's start and its done)" if e.host_bytes else ""
+    )
     return (
         f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
         f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP, "
         f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
-        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){old}; nothing was run"
+        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){host}{old}; nothing was run"
     )
 
 
@@ -231,11 +236,6 @@ def describe_trial(t: TrialResult) -> str:
         lines.append(f"  compile {m.compile_seconds:.2f} s, {gflop_text(m.flops)} GFLOP" if m.flops else "")
     if m and m.estimated_seconds is not None:
         lines.append(_estimate_line(m))
-        if t.plan is not None and any(p.host_memory for p in t.plan.layers):
-            lines.append(
-                "  the estimate leaves out the host transfers of the offloaded tensors: it prices what "
-                "runs on the chip, not the link to host memory"
-            )
     if t.plan is not None and t.plan.configuration is not None:
         c = t.plan.configuration
         lines.append(

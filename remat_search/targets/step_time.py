@@ -15,12 +15,16 @@ the chip would execute it, one scheduled instruction after another, and prices e
   its group, at the chip's inter-chip (ICI) bandwidth, with **no overlap** with computation
   assumed: an upper bound on communication's share, which is how a fully rematerialised FSDP
   layer's second gather of its weights shows;
+* a transfer to or from pinned host memory (``S(5)``: an ``offload`` policy's tensors) costs
+  its bytes at the chip's host link (:attr:`Chip.host_bytes_per_second`), one transfer after
+  another on the link, **overlapped** with the instructions scheduled between the transfer's
+  start and its done: computation waits only for what they do not cover;
 * a loop's body is counted as many times as the compiler knows it runs (``known_trip_count``);
   of a conditional's branches, the dearest.
 
 What it leaves out: the vector unit's own throughput (elementwise FLOPs are priced by their
-bytes alone), padding to the chip's tiles, overlap of copies and collectives with computation,
-per-instruction launch overheads, and the host. It is a lower bound on compute and memory time
+bytes alone), padding to the chip's tiles, overlap of on-chip copies and collectives with
+computation, per-instruction launch overheads, and the host's own work. It is a lower bound on compute and memory time
 and an upper bound on communication, deterministic, and the same for every plan of a study:
 good for ranking plans, not a promise of wall time.
 

@@ -86,20 +86,21 @@ def _split_batch(x: jax.Array, mesh: Any) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch_axes)))
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any) -> jax.Array:
-    """Causal multi-head attention of ``[batch, seq, heads, head_dim]`` queries, keys and values
-    (see :attr:`TransformerConfig.attention`)."""
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any, causal: bool = True) -> jax.Array:
+    """Multi-head attention of ``[batch, seq, heads, head_dim]`` queries, keys and values
+    (see :attr:`TransformerConfig.attention`), causal unless said (MaxText's v5e runs of 2023
+    computed every score)."""
     head_dim = q.shape[-1]
     if not flash:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
-        causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool)) if causal else jnp.ones((), dtype=bool)
+        weights = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     batch_axes = split_batch_over(mesh)
     ways = math.prod(mesh.shape[a] for a in batch_axes)
     # Not the TPU kernel off a TPU, nor for init's one-sequence batch (it only shapes the parameters).
     if mesh is None or not is_tpu(mesh.devices.flat[0].platform) or q.shape[0] % ways:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
     from jax.sharding import PartitionSpec as P
 
@@ -111,7 +112,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: A
     )
 
     def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:  # [b, h, s, d] on one shard
-        return pallas.flash_attention(q, k, v, causal=True, sm_scale=head_dim**-0.5, block_sizes=sizes)
+        return pallas.flash_attention(q, k, v, causal=causal, sm_scale=head_dim**-0.5, block_sizes=sizes)
 
     # Mosaic kernels are not partitioned by XLA: each shard of the batch runs its own.
     batch = P(batch_axes or None)

@@ -1,0 +1,565 @@
+"""MaxText's published TPU runs as the benchmark of the step-time model and of the search.
+
+One command, from any machine with libtpu (``pip install -e '.[tpu,plot]'``):
+
+    python benchmarks/published_configs.py                       # every run in RUNS
+    python benchmarks/published_configs.py --runs v6e-llama3.1-8b --trials 4   # one, quickly
+
+For each published run (:data:`RUNS`: a MaxText configuration and the throughput MaxText
+published for it, each with the file and commit it is read from), it rebuilds the model as a
+workload factory (:class:`Decoder`: the same shapes, the same matmuls, the same attention
+kernel's work; RMSNorm; no rotary embedding, which is elementwise) and runs one study on the
+same TPU slice, compiled ahead of time:
+
+* **fidelity**: the published configuration (its per-device batch, mesh and remat policy) is
+  compiled and its step time estimated (``targets.step_time``, host transfers of offloaded
+  tensors priced at the chip's host link); the table sets that estimate against the step time
+  MaxText published, or the one its published TFLOP/s imply under the FLOP count MaxText
+  used then (:func:`maxtext_tflops`);
+* **quality**: the study searches the configuration space at the same chips, global batch
+  (tokens per step) and HBM (``budget: device``): micro-batch, gradient accumulation, mesh
+  (FSDP alone or with data parallelism) and one remat policy for every layer (MaxText's form),
+  offload among them. The published configuration is the reference configuration, so its
+  presets are compiled first; the answer is the highest estimated throughput that fits, set
+  against the published configuration's own estimate: the same model on both sides, so the
+  ratio is like for like.
+
+A run's published figure is a measurement of a real machine; each estimate is the model's, of
+a program compiled by this machine's libtpu, which is not the one MaxText ran (and MaxText's
+XLA flags, collective overlap and layouts are not set here). Writes
+``benchmarks/results/published_configs.md`` (a row per run), the picture of each study's
+candidates (``published_configs.png``) and keeps the studies in
+``benchmarks/results/studies/published_configs.db``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+from search_quality_tpu import fresh_storage, versions
+
+import remat_search
+from remat_search.plans.plan import RematPlan, scan_layers
+from remat_search.plans.policy import LayerPolicy
+from remat_search.report.results import StudyReport, TrialResult
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.workloads import TransformerConfig
+from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND
+from remat_search.units import format_bytes
+from remat_search.workloads.transformer import TransformerWorkload, _attention, _split_batch
+
+HERE = Path(__file__).resolve().parent
+QKV = ["query_proj", "key_proj", "value_proj"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A MaxText decoder's shape (its ``base.yml`` and model file)."""
+
+    layers: int
+    emb: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    activation: str  # "relu": one wi and wo (MaxText's 2023 default); "swiglu": wi_0, wi_1 and wo
+    parallel: bool  # one norm, attention and MLP both read it, their outputs summed (2023 default)
+    tied: bool  # logits through the embedding
+
+    def params(self) -> int:
+        """Parameters, as MaxText's 2023 count took them from the tree (norms aside)."""
+        attention = self.emb * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = self.emb * self.mlp * (3 if self.activation == "swiglu" else 2)
+        return self.layers * (attention + mlp) + self.emb * self.vocab * (1 if self.tied else 2)
+
+
+# MaxText's base.yml of 2023 (commit 9bc243c9: base_emb_dim 2560, 8 heads of 256, MLP 8192
+# relu, 16 layers, vocabulary 32768 tied, the parallel block), scaled by
+# global_parameter_scale as pyconfig.get_individual_scales did; and the Llama files of
+# MaxText/configs/models at the commits RUNS name.
+MODELS = {
+    "gps16": Model(32, 5120, 32, 32, 256, 32768, 32768, "relu", parallel=True, tied=True),
+    "gps32": Model(32, 10240, 32, 32, 256, 32768, 32768, "relu", parallel=True, tied=True),
+    "gps64": Model(64, 10240, 32, 32, 256, 32768, 32768, "relu", parallel=True, tied=True),
+    "llama3.1-8b": Model(32, 4096, 32, 8, 128, 14336, 128256, "swiglu", parallel=False, tied=False),
+    "llama2-70b": Model(80, 8192, 64, 8, 128, 28672, 32000, "swiglu", parallel=False, tied=False),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published MaxText run: its configuration, and the figure published for it."""
+
+    name: str
+    model: str
+    topology: str
+    per_device_batch: int
+    seq: int
+    policy: str | dict[str, Any]
+    """MaxText's remat_policy as a spec writes a choice (one policy for every layer)."""
+    causal: bool
+    """Whether its attention kernel skipped the masked half (MaxText's v5e runs of 2023 did not)."""
+    convention: str
+    """MaxText's FLOP count the figure was made with: ``6N`` (train.py, 2023) or ``matmuls``
+    (maxtext_utils.calculate_tflops_training_per_device, 2024 on); attention non-causal both."""
+    published: str
+    """The published figure as printed."""
+    step_seconds: float | None = None
+    """A published step time, where MaxText's log gives one."""
+    tflops: float | None = None
+    """Published TFLOP/s per chip, where that is the figure."""
+    tokens_per_second: float | None = None
+    """Published tokens/s per chip, where that is the figure."""
+    source: str = ""
+    note: str = ""
+    choices: list[Any] = field(default_factory=list)
+
+    @property
+    def chips(self) -> int:
+        x, y = self.topology.split(":")[1].split("x")
+        return int(x) * int(y)
+
+    @property
+    def chip(self) -> str:
+        return self.topology.split(":")[0]
+
+    def published_step(self) -> float:
+        """The published step time: as logged, or as the published TFLOP/s or tokens/s imply."""
+        if self.step_seconds is not None:
+            return self.step_seconds
+        if self.tflops is not None:
+            return maxtext_tflops(self) / self.tflops
+        assert self.tokens_per_second is not None
+        return self.per_device_batch * self.seq / self.tokens_per_second
+
+
+FULL = "full"
+MINIMAL = "dots_no_batch"  # MaxText's minimal: checkpoint_dots_with_no_batch_dims
+SAVE_QKV = {"label": "save_qkv_proj", "names": QKV}
+QKV_OFFLOADED = {"label": "qkv_proj_offloaded", "offload": QKV}
+OFFLOAD_QKVO = {"label": "custom_offload", "offload": ["decoder_layer_input", *QKV, "out_proj"]}
+"""Llama 3.1 8B's remat_policy custom: the layer's input and q, k, v and out_proj offloaded."""
+OFFLOAD_INPUT = {"label": "offload_input", "offload": ["decoder_layer_input"]}
+INPUT_OFFLOADED_QKV_KEPT = {"label": "input_offloaded_qkv_kept", "per_name": {"device": QKV, "offload": ["decoder_layer_input"]}}
+
+RUNS = [
+    Run("v5e-16b", "gps16", "v5e:16x16", 6, 2048, FULL, causal=False, convention="6N",
+        published="120 TFLOP/s per chip, 61.10% MFU", tflops=120.0,
+        source="MaxText 9bc243c9: README.md (1x v5e-256), MaxText/configs/largest_job/16b.sh",
+        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+    Run("v5e-32b", "gps32", "v5e:16x16", 4, 2048, FULL, causal=False, convention="6N",
+        published="132 TFLOP/s per chip, 66.86% MFU", tflops=132.0,
+        source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/32b.sh",
+        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+    Run("v5e-64b", "gps64", "v5e:16x16", 2, 2048, FULL, causal=False, convention="6N",
+        published="118 TFLOP/s per chip, 59.90% MFU", tflops=118.0,
+        source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/64b.sh",
+        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+    Run("v6e-llama3.1-8b", "llama3.1-8b", "v6e:16x16", 4, 8192, OFFLOAD_QKVO, causal=True, convention="matmuls",
+        published="4.546 s a step, 417.397 TFLOP/s, 7,207 tokens/s per chip, 45.46% MFU", step_seconds=4.546,
+        source="MaxText tpu-recipes-v0.1.4 (9f1820b4): benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192; "
+               "log in AI-Hypercomputer/tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256",
+        note="remat_policy custom: decoder_layer_input, query/key/value/out_proj offloaded",
+        choices=[OFFLOAD_QKVO, FULL, OFFLOAD_INPUT, INPUT_OFFLOADED_QKV_KEPT]),
+    Run("v6e-llama2-70b", "llama2-70b", "v6e:16x16", 2, 4096, QKV_OFFLOADED, causal=True, convention="matmuls",
+        published="9.052 s a step, 402.274 TFLOP/s, 905 tokens/s per chip, 43.8% MFU", step_seconds=9.052,
+        source="MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py llama2_70b_4096_sc; log in "
+               "AI-Hypercomputer/tpu-recipes training/trillium/Llama2-70B-MaxText",
+        note="ici_fsdp_transpose_parallelism 256: FSDP over every chip, as here",
+        choices=[QKV_OFFLOADED, FULL, MINIMAL, SAVE_QKV]),
+]
+"""MaxText's published runs that FSDP alone expresses (its v5p runs all split tensors over a
+``tensor`` axis, which the built-in sharding here does not: left out), on two TPU
+generations, two of them offloading. Llama 3.1 70B on v6e-256 (960 tokens/s a chip, offloading)
+is left out for this machine's time: its figure is MaxText's approximate tokens/s. Sources are MaxText's repository
+(github.com/AI-Hypercomputer/maxtext) at the commit named."""
+
+
+def label(choice: str | dict[str, Any]) -> str:
+    """A space's choice by name."""
+    return choice if isinstance(choice, str) else choice["label"]
+
+
+def layer_policy(choice: str | dict[str, Any]) -> LayerPolicy:
+    """The policy a space's choice gives each layer."""
+    if isinstance(choice, str):
+        return LayerPolicy(kind=choice)
+    if "per_name" in choice:
+        split = choice["per_name"]
+        return LayerPolicy(kind="per_name", names=tuple(sorted(split["device"])), offload=tuple(sorted(split["offload"])))
+    kind = "offload" if "offload" in choice else "names"
+    return LayerPolicy(kind=kind, names=tuple(sorted(choice[kind])))
+
+
+def maxtext_tflops(run: Run) -> float:
+    """MaxText's count of one step's training FLOPs per chip, in TFLOP, as its figure was made:
+    ``6N``: 6 · parameters · tokens + 12 · heads · layers · head_dim · seq² · batch (train.py,
+    2023, attention counted whole); ``matmuls``: 3 × (each layer's weight matmuls and the
+    logits' + 4 · batch · seq² · heads · head_dim of attention a layer) (maxtext_utils, before
+    it halved attention for causality in 2025-07)."""
+    m, b, s = MODELS[run.model], run.per_device_batch, run.seq
+    attention = 12 * m.heads * m.layers * m.head_dim * s * s * b
+    if run.convention == "6N":
+        return (6 * m.params() * s * b + attention) / 1e12
+    ffn = 2 * b * s * m.mlp * m.emb * (3 if m.activation == "swiglu" else 2)
+    qkv = 2 * b * s * m.emb * (m.heads + 2 * m.kv_heads) * m.head_dim
+    projection = 2 * b * s * m.emb * m.heads * m.head_dim
+    logits = 2 * b * s * m.emb * m.vocab
+    return (3 * (m.layers * (ffn + qkv + projection) + logits) + attention) / 1e12
+
+
+class Block(nn.Module):
+    """One MaxText decoder layer of :class:`Model`'s shape: bf16 compute, f32 weights, flash
+    attention (the Pallas TPU kernel), grouped key/value heads repeated for it."""
+
+    shape: Model
+    causal: bool
+    mesh: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        s = self.shape
+        kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32, "use_bias": False}
+        # MaxText names the layer's input, so that a custom policy can offload it: the backward
+        # then needs the named copy, not the scan's own stack of inputs.
+        x = checkpoint_name(_split_batch(x, self.mesh), "decoder_layer_input")
+        h = nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=jnp.float32, name="pre_norm")(x)
+        q = checkpoint_name(nn.DenseGeneral((s.heads, s.head_dim), name="query", **kw)(h), "query_proj")
+        k, v = (checkpoint_name(nn.DenseGeneral((s.kv_heads, s.head_dim), name=n, **kw)(h), f"{n}_proj")
+                for n in ("key", "value"))
+        if s.kv_heads != s.heads:
+            k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
+        context = checkpoint_name(_attention(q, k, v, flash=True, mesh=self.mesh, causal=self.causal), "context")
+        attention = checkpoint_name(nn.DenseGeneral(s.emb, axis=(-2, -1), name="out", **kw)(context), "out_proj")
+        if not s.parallel:
+            x = x + attention
+            h = nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=jnp.float32, name="mlp_norm")(x)
+        if s.activation == "relu":
+            hidden = nn.relu(checkpoint_name(nn.Dense(s.mlp, name="wi", **kw)(h), "mlpwi"))
+        else:
+            gate = checkpoint_name(nn.Dense(s.mlp, name="wi_0", **kw)(h), "mlpwi_0")
+            hidden = nn.silu(gate) * checkpoint_name(nn.Dense(s.mlp, name="wi_1", **kw)(h), "mlpwi_1")
+        out = checkpoint_name(nn.Dense(s.emb, name="wo", **kw)(hidden), "mlpwo")
+        return x + attention + out if s.parallel else x + out
+
+
+class Decoder(TransformerWorkload):
+    """A :class:`Model`, scanned, as a remat-search workload (the factory :func:`workload`)."""
+
+    tensor_names = frozenset({"decoder_layer_input", *QKV, "context", "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1",
+                              "mlpwo"})
+
+    def __init__(self, model: str | Model, batch: int, seq_len: int, causal: bool) -> None:
+        self.shape = MODELS[model] if isinstance(model, str) else model
+        self.causal, self.name = causal, f"maxtext-{model if isinstance(model, str) else 'small'}"
+        s = self.shape
+        super().__init__(TransformerConfig(
+            kind="transformer", layers=s.layers, d_model=s.emb, heads=s.heads, d_ff=s.mlp, seq_len=seq_len,
+            batch=batch, vocab=s.vocab, dtype="bfloat16", scan=True, attention="flash",
+        ))
+
+    def _modules(self) -> dict[str, nn.Module]:
+        s = self.shape
+        return {
+            "embed": nn.Embed(s.vocab, s.emb, dtype=jnp.bfloat16, param_dtype=jnp.float32),
+            "block": Block(s, self.causal, self.mesh),
+            "final_norm": nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=jnp.float32),
+            "logits": nn.Dense(s.vocab, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32),
+        }
+
+    def init_params(self, key: jax.Array) -> Any:
+        params = super().init_params(key)
+        if self.shape.tied:
+            del params["logits"]
+        return params
+
+    def loss(self, plan: RematPlan):  # type: ignore[no-untyped-def]
+        m, tied = self._modules(), self.shape.tied
+
+        def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+            embed = {"params": params["embed"]}
+            x = m["embed"].apply(embed, tokens[:, :-1])
+            x = scan_layers(plan, lambda p, x: m["block"].apply({"params": p}, x), params["layers"], x)
+            x = m["final_norm"].apply({"params": params["final_norm"]}, x)
+            logits = (m["embed"].apply(embed, x, method="attend") if tied
+                      else m["logits"].apply({"params": params["logits"]}, x)).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return loss_fn
+
+
+def workload(model: str, batch: int, seq_len: int, causal: bool = True) -> Decoder:
+    """The factory the studies name: ``model`` of :data:`MODELS` at a global ``batch`` of
+    ``seq_len`` tokens (the argument's name tells the search the tokens an example holds)."""
+    return Decoder(model, batch, seq_len, causal)
+
+
+GPU_SCALE = 4
+"""The small models measured on a GPU: each run's model with its width, heads and MLP a quarter
+(key/value heads at least 1), 4 layers, 2048 tokens, so that every plan runs on one GPU."""
+
+
+def small(run: Run) -> dict[str, Any]:
+    """``run``'s small model, as :func:`gpu_step_time.measure` takes a shape."""
+    m = MODELS[run.model]
+    shape = Model(4, m.emb // GPU_SCALE, m.heads // GPU_SCALE, max(m.kv_heads // GPU_SCALE, 1), m.head_dim,
+                  m.mlp // GPU_SCALE, m.vocab, m.activation, m.parallel, m.tied)
+    return {"name": f"{run.name}-small", "layers": shape.layers, "model": shape, "seq_len": 2048,
+            "batch": 8 if run.chip == "v5e" else 4, "causal": run.causal}
+
+
+def small_decoder(shape: dict[str, Any]) -> Decoder:
+    """:func:`gpu_step_time.measure`'s ``build``: a :func:`small` shape's workload."""
+    return Decoder(shape["model"], shape["batch"], shape["seq_len"], shape["causal"])
+
+
+def on_gpu(runs: list[Run]) -> None:
+    """Each run's small model on this machine's GPU with its published policy, ``full``,
+    ``save_qkv_proj`` (and ``dots_no_batch`` beside a published ``full``): measured and estimated step times (``benchmarks/gpu_step_time.py``),
+    written to ``results/published_configs_gpu/``."""
+    from gpu_step_time import _fresh, _platform, measure
+
+    if _fresh(_platform) != "gpu":
+        raise SystemExit("--gpu: this machine's JAX sees no GPU")
+    shapes = []
+    for run in runs:
+        policy = layer_policy(run.policy).model_dump(exclude_defaults=True)
+        plans = {label(run.policy): policy, "full": {"kind": "full"}, "save_qkv_proj": {"kind": "names", "names": QKV}}
+        if run.policy == FULL:
+            plans["dots_no_batch"] = {"kind": "dots_no_batch"}
+        shapes.append(small(run) | {"plans": plans})
+    measure(shapes, {}, HERE / "results" / "published_configs_gpu", build=small_decoder, keep_hlo=False)
+
+
+def search(run: Run, storage: str, trials: int) -> StudyReport:
+    """``run``'s study: the configuration space at its chips, global batch and HBM."""
+    chips, batch = run.chips, run.per_device_batch
+    micro = [b for b in range(batch, 0, -1) if batch % b == 0][:3]
+    spec = {
+        "study": f"published-{run.name}", "storage": storage,
+        "workload": {"factory": "published_configs:workload",
+                     "args": {"model": run.model, "batch": chips * batch, "seq_len": run.seq, "causal": run.causal}},
+        "target": {"platform": "tpu", "topology": run.topology}, "mesh": {"fsdp": chips},
+        "space": {"layout": "uniform", "choices": run.choices},
+        "configuration": {"batch": micro, "global_batch": chips * batch,
+                          "mesh": [{"fsdp": chips}, {"data": 2, "fsdp": chips // 2}]},
+        "budget": "device", "trials": trials, "sampler": {"kind": "planner", "seed": 0},
+        "timing": {"timeout": "1800s"}, "compilation_cache": None,
+    }
+    return remat_search.run(parse_spec(spec))
+
+
+def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
+    """The study's trial of the published configuration: its policy at the reference configuration."""
+    policy = layer_policy(run.policy)
+    for t in report.trials:
+        c = t.plan.configuration if t.plan is not None else None
+        if (c is not None and c.batch == run.per_device_batch and c.accumulation == 1 and dict(c.mesh) == {"fsdp": run.chips}
+                and set(t.plan.layers) == {policy}):
+            return t
+    return None
+
+
+def compiled(report: StudyReport) -> list[TrialResult]:
+    return [t for t in report.trials if t.measurement is not None and t.measurement.compiled]
+
+
+def plot(results: list[tuple[Run, StudyReport]], path: Path) -> None:
+    """Each study's compiled candidates: estimated tokens/s per chip against peak per chip,
+    the HBM line, the published configuration and the answer marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False)
+    for ax, (run, report) in zip(axes[0], results, strict=True):
+        timed = [t for t in report.trials if t.throughput is not None and t.peak_bytes is not None]
+        ax.scatter([t.peak_bytes / 2**30 for t in timed], [t.throughput for t in timed], alpha=0.6, s=18)
+        hbm = report.budget
+        if hbm:
+            ax.axvline(hbm / 2**30, color="grey", linestyle="--", label=f"HBM {format_bytes(hbm)}")
+        for t, marker, label in ((published_trial(run, report), "s", "published"), (answer(report), "*", "found")):
+            if t is not None and t.throughput is not None:
+                ax.scatter([t.peak_bytes / 2**30], [t.throughput], marker=marker, s=90, label=label)
+        ax.set_title(run.name, fontsize=9)
+        ax.set_xlabel("peak per chip (GiB)")
+        ax.set_ylabel("tokens/s per chip (est.)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def answer(report: StudyReport) -> TrialResult | None:
+    """The highest estimated throughput within the HBM."""
+    return report.best(report.budget) if report.budget else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", nargs="*", default=[r.name for r in RUNS], help="which of RUNS (default: all)")
+    parser.add_argument("--trials", type=int, default=8, help="trials of each study (default 8)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the kept studies (to --trials in all) instead of searching afresh")
+    parser.add_argument("--report", action="store_true",
+                        help="write the page again from the studies kept in results/studies (no compiles)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="on a machine with an NVIDIA GPU: each run's small model measured and estimated instead")
+    args = parser.parse_args()
+    unknown = set(args.runs) - {r.name for r in RUNS}
+    if unknown:
+        raise SystemExit(f"--runs: no run named {sorted(unknown)[0]!r}; expected some of {[r.name for r in RUNS]}")
+    if args.gpu:
+        on_gpu([r for r in RUNS if r.name in args.runs])
+        return
+    db = HERE / "results" / "studies" / "published_configs.db"
+    results: list[tuple[Run, StudyReport]] = []
+    if args.report:
+        results = [(run, remat_search.load_report(f"published-{run.name}", f"sqlite:///{db}"))
+                   for run in RUNS if run.name in args.runs]
+    else:
+        storage = f"sqlite:///{db}" if args.resume else fresh_storage(db, keep_cache=True)
+        for run in (r for r in RUNS if r.name in args.runs):
+            print(f"{run.name}: searching {run.topology}, {args.trials} trials", flush=True)
+            results.append((run, search(run, storage, args.trials)))
+    text = report_text(results)
+    out = HERE / "results" / "published_configs.md"
+    out.write_text(text)
+    plot(results, HERE / "results" / "published_configs.png")
+    print("\n" + text + f"\nwrote {out} and published_configs.png")
+
+
+def report_text(results: list[tuple[Run, StudyReport]]) -> str:
+    """The results page: fidelity, quality, sources."""
+    ratios = {run.name: t.seconds / run.published_step() for run, report in results
+              if (t := published_trial(run, report)) is not None and t.seconds is not None}
+    corrected, loo = leave_one_out(results, ratios)
+    fidelity, quality, gains = [], [], []
+    for run, report in results:
+        mine, found = published_trial(run, report), answer(report)
+        step, m = run.published_step(), MODELS[run.model]
+        head = (f"| {run.name} | {run.chips} × {run.chip} | {run.model} ({m.params() / 1e9:.1f} B) | "
+                f"{run.per_device_batch} × {run.seq} | {label(run.policy)} | {run.published} | {step:.2f} s | ")
+        if mine is not None and mine.seconds is not None:
+            e = mine.measurement.estimate
+            fix = corrected.get(run.name)
+            fidelity.append(head + (
+                f"{mine.seconds:.2f} s | {e.compute_seconds:.2f} / {e.collective_seconds:.2f} / "
+                f"{e.host_wait_seconds:.2f} s | {format_bytes(mine.peak_bytes)} | **{ratios[run.name]:.2f}** | "
+                f"{f'{fix:.2f}' if fix is not None else '—'} |"))
+        else:
+            fidelity.append(head + f"{mine.status if mine else 'not compiled'} | — | "
+                                   f"{format_bytes(mine.peak_bytes) if mine and mine.peak_bytes else '—'} | — | — |")
+        own = compiled(report)
+        gain = (found.throughput / mine.throughput - 1) if found and mine and mine.throughput else None
+        gains.append(gain)
+        quality.append(
+            f"| {run.name} | {f'{mine.throughput:,.0f}' if mine and mine.throughput else '—'} | "
+            f"{found.summary() if found else '—'} | {format_bytes(found.peak_bytes) if found else '—'} | "
+            f"{f'{found.throughput:,.0f}' if found and found.throughput else '—'} | "
+            f"{f'{gain:+.1%}' if gain is not None else '—'} | {len(own)} | "
+            f"{sum(t.measurement.compile_seconds or 0 for t in own) / 60:.0f} min |")
+    spread = ""
+    if ratios:
+        values = list(ratios.values())
+        spread = (f"Estimate / published step over {len(values)} runs: min {min(values):.2f}, median "
+                  f"{statistics.median(values):.2f}, max {max(values):.2f}; within ±15%: "
+                  f"{sum(abs(v - 1) <= 0.15 for v in values)} of {len(values)}"
+                  + (f", {sum(abs(v - 1) <= 0.15 for v in corrected.values())} of {len(corrected)} corrected"
+                     if corrected else "") + ".\n\n" + loo)
+    beaten = sum(1 for g in gains if g is not None and g >= 0.05)
+    first = results[0][1] if results else None
+    trials = {len(report.trials) for _, report in results}
+    command = "python benchmarks/published_configs.py" + (f" --trials {trials.pop()}" if len(trials) == 1 else "")
+    compile_minutes = sum(t.measurement.compile_seconds or 0 for _, r in results for t in compiled(r)) / 60
+    gpu = HERE / "results" / "published_configs_gpu" / "gpu_step_time.md"
+    return "\n".join([
+        "# MaxText's published TPU runs: the step-time model's fidelity and the search's answers\n",
+        f"Command: `{command}` (the page again from the kept studies: `--report`); "
+        f"{versions(first) if first else ''}; {compile_minutes:.0f} min of compiles on this 2-core machine. Each study "
+        f"compiles its candidates ahead of time for the run's slice (a chip's share of the step), and the step-time "
+        f"model estimates each (host transfers at {TPU_HOST_BYTES_PER_SECOND / 1e9:.0f} GB/s a chip, overlapped with "
+        f"the compute between a transfer's start and its done; collectives not overlapped).\n",
+        "## Fidelity: the published configuration's estimate against its published step\n",
+        "| run | chips | model | batch a chip × tokens | remat | published | published step | estimated step | "
+        "compute / collectives / host wait | compiled peak a chip | est. / published | corrected (leave-one-out) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *fidelity, "", spread,
+        "## Quality: the configuration space searched at the same chips, global batch and HBM\n",
+        "Micro-batch (the published per-chip batch or a divisor, with gradient accumulation making up the rest), "
+        "mesh (FSDP over every chip, or data 2 × FSDP), one remat policy for every layer (the run's own, "
+        "and the choices each source line names). Throughput is estimated tokens/s per chip, both sides "
+        "from the same model, so a per-generation correction would not change the gain.\n",
+        "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | compiles | "
+        "compile time |",
+        "|---|---|---|---|---|---|---|---|",
+        *quality, "",
+        f"Published configurations beaten by ≥ 5% estimated throughput: {beaten} of {len(quality)}.\n",
+        "## Every candidate compiled\n",
+        "Why a published configuration was or was not beaten, candidate by candidate: each study's compiles, "
+        "with the compiler's peak a chip against the chip's HBM and the estimated throughput.\n",
+        "| run | candidate | peak a chip | within HBM | est. step | est. tokens/s per chip | vs published |",
+        "|---|---|---|---|---|---|---|",
+        *candidate_rows(results), "",
+        "## Sources\n",
+        *(f"- **{run.name}**: {run.source}.{' ' + run.note + '.' if run.note else ''} Choices: "
+          f"{', '.join(label(c) for c in run.choices)}." for run, _ in results),
+        "",
+        "![each study's candidates](published_configs.png)\n",
+        *(["## On a GPU: each run's small model, measured\n",
+           f"`python benchmarks/published_configs.py --gpu` on one GPU ({GPU_SCALE}× narrower, 4 layers, 2048 tokens; "
+           "`results/published_configs_gpu/`):\n", gpu.read_text()] if gpu.exists() else []),
+    ])
+
+
+def candidate_rows(results: list[tuple[Run, StudyReport]]) -> list[str]:
+    """A row a compiled candidate of each study, in the order compiled."""
+    rows = []
+    for run, report in results:
+        mine = published_trial(run, report)
+        for t in compiled(report):
+            fits = t.peak_bytes is not None and report.budget is not None and t.peak_bytes <= report.budget
+            seconds = t.measurement.estimated_seconds  # estimated whether it fits or not
+            rate = t.plan.configuration.global_batch * run.seq / run.chips / seconds if seconds else None
+            vs = f"{rate / mine.throughput - 1:+.1%}" if rate and mine and mine.throughput else "—"
+            rows.append(
+                f"| {run.name} | {t.summary()}{' (published)' if t is mine else ''} | "
+                f"{format_bytes(t.peak_bytes) if t.peak_bytes else '—'} | {'yes' if fits else '**no**'} | "
+                f"{f'{seconds:.2f} s' if seconds else '—'} | {f'{rate:,.0f}' if rate else '—'} | {vs} |")
+    return rows
+
+
+def leave_one_out(results: list[tuple[Run, StudyReport]], ratios: dict[str, float]) -> tuple[dict[str, float], str]:
+    """A per-generation correction, where it improves the estimate of each run left out: each
+    run divided by the mean ratio of the other runs of its chip. Returns the corrected ratios
+    (of the generations where leave-one-out error falls with it) and a line a generation."""
+    corrected, lines = {}, []
+    for chip in sorted({run.chip for run, _ in results}):
+        names = [run.name for run, _ in results if run.chip == chip and run.name in ratios]
+        if len(names) < 2:
+            lines.append(f"- {chip}: {len(names)} run, no correction can be checked.")
+            continue
+        fixed = {n: ratios[n] / statistics.mean(ratios[o] for o in names if o != n) for n in names}
+        before = statistics.mean(abs(ratios[n] - 1) for n in names)
+        after = statistics.mean(abs(fixed[n] - 1) for n in names)
+        if after < before:
+            corrected.update(fixed)
+        lines.append(f"- {chip}: mean |est./published − 1| {before:.1%} uncorrected, {after:.1%} with each run "
+                     f"divided by the mean of the other {len(names) - 1}: "
+                     f"{'applied' if after < before else 'not applied'}.")
+    return corrected, "Leave-one-out, by generation:\n\n" + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

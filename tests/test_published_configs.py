@@ -1,0 +1,36 @@
+"""``benchmarks/published_configs.py``'s own arithmetic: the models it rebuilds and the FLOP
+counts it turns MaxText's published figures into, against what MaxText printed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import published_configs as pc  # noqa: E402
+
+
+def test_the_flop_count_gives_back_the_tflops_maxtext_logged() -> None:
+    # MaxText's logs (tpu-recipes): 4.546 s a step at 417.397 TFLOP/s (Llama 3.1 8B), 9.052 s
+    # at 402.274 (Llama 2 70B); the same count over the logged step gives the logged rate.
+    runs = {r.name: r for r in pc.RUNS}
+    assert pc.maxtext_tflops(runs["v6e-llama3.1-8b"]) / 4.546 == pytest.approx(417.397, rel=1e-3)
+    assert pc.maxtext_tflops(runs["v6e-llama2-70b"]) / 9.052 == pytest.approx(402.274, rel=1e-3)
+    # Published MFU is TFLOP/s over the chip's peak: 120 / 197 = 60.9% (printed 61.10%).
+    assert runs["v5e-16b"].published_step() == pytest.approx(pc.maxtext_tflops(runs["v5e-16b"]) / 120)
+
+
+@pytest.mark.parametrize("name", list(pc.MODELS))
+def test_each_model_has_the_parameters_its_count_says(name: str) -> None:
+    # MaxText's 2023 count (6N) takes N from the parameter tree: the rebuilt model's tree holds
+    # that many, its norms aside (a layer's one, two where attention and MLP are sequential, and a
+    # final one, each the width).
+    model = pc.MODELS[name]
+    workload = pc.workload(name, batch=1, seq_len=128)
+    shapes = jax.eval_shape(workload.init_params, jax.random.key(0))
+    total = sum(a.size for a in jax.tree.leaves(shapes))
+    norms = ((1 if model.parallel else 2) * model.layers + 1) * model.emb
+    assert total - norms == model.params()
