@@ -12,21 +12,24 @@ kernel's work; RMSNorm; no rotary embedding, which is elementwise) and runs one 
 same TPU slice, compiled ahead of time:
 
 * **fidelity**: the published configuration (its per-device batch, mesh and remat policy) is
-  compiled and its step time estimated (``targets.step_time``, host transfers of offloaded
-  tensors priced at the chip's host link); the table sets that estimate against the step time
-  MaxText published, or the one its published TFLOP/s imply under the FLOP count MaxText
-  used then (:func:`maxtext_tflops`);
+  compiled with the XLA flags MaxText ran it with and its step time estimated
+  (``targets.step_time``, host transfers of offloaded tensors priced at the chip's host link);
+  the table sets that estimate against the step time MaxText published, or the one its
+  published TFLOP/s imply under the FLOP count MaxText used then (:func:`maxtext_tflops`);
 * **quality**: the study searches the configuration space at the same chips, global batch
   (tokens per step) and HBM (``budget: device``): micro-batch, gradient accumulation, mesh
   (FSDP alone or with data parallelism) and one remat policy for every layer (MaxText's form),
   offload among them. The published configuration is the reference configuration, so its
   presets are compiled first; the answer is the highest estimated throughput that fits, set
   against the published configuration's own estimate: the same model on both sides, so the
-  ratio is like for like.
+  ratio is like for like. The search compiles with libtpu's default flags (MaxText's make the
+  v6e compiles 4–5× slower); a second study of each run (:func:`flagged`) compiles the run's
+  choices at the published configuration and the search's answer with MaxText's flags.
 
-A run's published figure is a measurement of a real machine; each estimate is the model's, of
-a program compiled by this machine's libtpu, which is not the one MaxText ran (and MaxText's
-XLA flags, collective overlap and layouts are not set here). Writes
+MaxText's flags (:attr:`Run.xla_flags`, set as ``LIBTPU_INIT_ARGS`` for the study's workers)
+decide, among other things, how early the compiler starts an offloaded tensor's transfer,
+which is what an offloading run's step waits for. A run's published figure is a measurement of a real machine; each estimate is the model's,
+of a program compiled by this machine's libtpu, which is not the one MaxText ran. Writes
 ``benchmarks/results/published_configs.md`` (a row per run), the picture of each study's
 candidates (``published_configs.png``) and keeps the studies in
 ``benchmarks/results/studies/published_configs.db``.
@@ -35,8 +38,10 @@ candidates (``published_configs.png``) and keeps the studies in
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import optuna
 from jax.ad_checkpoint import checkpoint_name
 from search_quality_tpu import fresh_storage, versions
 
@@ -52,9 +58,10 @@ import remat_search
 from remat_search.plans.plan import RematPlan, scan_layers
 from remat_search.plans.policy import LayerPolicy
 from remat_search.report.results import StudyReport, TrialResult
+from remat_search.search.loop import measure_params
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND
+from remat_search.targets.step_time import TPU_HOST_BYTES_PER_SECOND
 from remat_search.units import format_bytes
 from remat_search.workloads.transformer import TransformerWorkload, _attention, _split_batch
 
@@ -121,6 +128,8 @@ class Run:
     """Published TFLOP/s per chip, where that is the figure."""
     tokens_per_second: float | None = None
     """Published tokens/s per chip, where that is the figure."""
+    xla_flags: str = ""
+    """The ``LIBTPU_INIT_ARGS`` MaxText ran it with: its studies compile with them."""
     source: str = ""
     note: str = ""
     choices: list[Any] = field(default_factory=list)
@@ -153,27 +162,60 @@ OFFLOAD_QKVO = {"label": "custom_offload", "offload": ["decoder_layer_input", *Q
 OFFLOAD_INPUT = {"label": "offload_input", "offload": ["decoder_layer_input"]}
 INPUT_OFFLOADED_QKV_KEPT = {"label": "input_offloaded_qkv_kept", "per_name": {"device": QKV, "offload": ["decoder_layer_input"]}}
 
+# The LIBTPU_INIT_ARGS of each run, as MaxText's sources compose them: the v5e scripts' own line
+# (configs/largest_job/*.sh at 9bc243c9); the v6e recipes' xla_flags, from the groups of its
+# benchmarks/xla_flags_library.py at each recipe's commit. One flag of those groups is left out:
+# ``--2a886c8_chip_config_name``, which the public libtpu does not know (MaxText's own Pathways
+# runs remove it too).
+DATA_PARALLEL_OVERLAP = "--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true"
+CF_FOR_ALL_GATHER = (
+    "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
+    "--xla_enable_async_all_gather=true")
+DENSE_VMEM_LIMIT = "--xla_tpu_scoped_vmem_limit_kib=98304"
+LAYOUT_FOR_ALL_REDUCE_SCATTER = (
+    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true --xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
+    "--xla_tpu_assign_all_reduce_scatter_layout=true")
+SPARSECORE_ALL_REDUCE = (
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false --xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+    "--xla_tpu_enable_all_reduce_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=true "
+    "--xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true")
+HOST_OFFLOAD = (
+    "--xla_tpu_enable_all_experimental_scheduler_features=true --xla_tpu_enable_scheduler_memory_pressure_tracking=true "
+    "--xla_tpu_host_transfer_overlap_limit=24 --xla_tpu_aggressive_opt_barrier_removal=ENABLED "
+    "--xla_lhs_prioritize_async_depth_over_stall=ENABLED --xla_tpu_enable_ag_backward_pipelining=true "
+    "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED --xla_should_add_loop_invariant_op_in_chain=ENABLED "
+    "--xla_max_concurrent_host_send_recv=100 --xla_tpu_scheduler_percent_shared_memory_limit=100 "
+    "--xla_latency_hiding_scheduler_rerun=2")
+V5E_2023_FLAGS = f"{DATA_PARALLEL_OVERLAP} {CF_FOR_ALL_GATHER}"
+
 RUNS = [
     Run("v5e-16b", "gps16", "v5e:16x16", 6, 2048, FULL, causal=False, convention="6N",
         published="120 TFLOP/s per chip, 61.10% MFU", tflops=120.0,
+        xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md (1x v5e-256), MaxText/configs/largest_job/16b.sh",
         choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v5e-32b", "gps32", "v5e:16x16", 4, 2048, FULL, causal=False, convention="6N",
         published="132 TFLOP/s per chip, 66.86% MFU", tflops=132.0,
+        xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/32b.sh",
         choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v5e-64b", "gps64", "v5e:16x16", 2, 2048, FULL, causal=False, convention="6N",
         published="118 TFLOP/s per chip, 59.90% MFU", tflops=118.0,
+        xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/64b.sh",
         choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v6e-llama3.1-8b", "llama3.1-8b", "v6e:16x16", 4, 8192, OFFLOAD_QKVO, causal=True, convention="matmuls",
         published="4.546 s a step, 417.397 TFLOP/s, 7,207 tokens/s per chip, 45.46% MFU", step_seconds=4.546,
+        xla_flags=" ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, CF_FOR_ALL_GATHER,
+                             SPARSECORE_ALL_REDUCE, HOST_OFFLOAD]),
         source="MaxText tpu-recipes-v0.1.4 (9f1820b4): benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192; "
                "log in AI-Hypercomputer/tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256",
         note="remat_policy custom: decoder_layer_input, query/key/value/out_proj offloaded",
         choices=[OFFLOAD_QKVO, FULL, OFFLOAD_INPUT, INPUT_OFFLOADED_QKV_KEPT]),
     Run("v6e-llama2-70b", "llama2-70b", "v6e:16x16", 2, 4096, QKV_OFFLOADED, causal=True, convention="matmuls",
         published="9.052 s a step, 402.274 TFLOP/s, 905 tokens/s per chip, 43.8% MFU", step_seconds=9.052,
+        xla_flags=" ".join([DENSE_VMEM_LIMIT, CF_FOR_ALL_GATHER, SPARSECORE_ALL_REDUCE]),
         source="MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py llama2_70b_4096_sc; log in "
                "AI-Hypercomputer/tpu-recipes training/trillium/Llama2-70B-MaxText",
         note="ici_fsdp_transpose_parallelism 256: FSDP over every chip, as here",
@@ -342,12 +384,12 @@ def on_gpu(runs: list[Run]) -> None:
     measure(shapes, {}, HERE / "results" / "published_configs_gpu", build=small_decoder, keep_hlo=False)
 
 
-def search(run: Run, storage: str, trials: int) -> StudyReport:
-    """``run``'s study: the configuration space at its chips, global batch and HBM."""
+def study_spec(run: Run, storage: str, trials: int, study: str) -> dict[str, Any]:
+    """The spec of a study of ``run``: the configuration space at its chips, global batch and HBM."""
     chips, batch = run.chips, run.per_device_batch
     micro = [b for b in range(batch, 0, -1) if batch % b == 0][:3]
-    spec = {
-        "study": f"published-{run.name}", "storage": storage,
+    return {
+        "study": study, "storage": storage,
         "workload": {"factory": "published_configs:workload",
                      "args": {"model": run.model, "batch": chips * batch, "seq_len": run.seq, "causal": run.causal}},
         "target": {"platform": "tpu", "topology": run.topology}, "mesh": {"fsdp": chips},
@@ -357,7 +399,45 @@ def search(run: Run, storage: str, trials: int) -> StudyReport:
         "budget": "device", "trials": trials, "sampler": {"kind": "planner", "seed": 0},
         "timing": {"timeout": "1800s"}, "compilation_cache": None,
     }
-    return remat_search.run(parse_spec(spec))
+
+
+def search(run: Run, storage: str, trials: int) -> StudyReport:
+    """``run``'s study (``published-<name>``): the configuration space searched, compiled with
+    libtpu's default flags."""
+    return remat_search.run(parse_spec(study_spec(run, storage, trials, f"published-{run.name}")))
+
+
+@contextmanager
+def maxtext_flags(run: Run) -> Iterator[None]:
+    """Within: the workers a study starts compile with the XLA flags MaxText ran ``run`` with
+    (``LIBTPU_INIT_ARGS``, which the study records with its device)."""
+    before = os.environ.get("LIBTPU_INIT_ARGS")
+    os.environ["LIBTPU_INIT_ARGS"] = run.xla_flags
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LIBTPU_INIT_ARGS"]
+        else:
+            os.environ["LIBTPU_INIT_ARGS"] = before
+
+
+def flagged(run: Run, storage: str, searched: StudyReport) -> StudyReport:
+    """Study ``published-<name>-maxtext-flags``, compiled with the flags MaxText ran the run
+    with: the run's choices at the published configuration (the presets, the published policy
+    first) and the search's answer, where that is another: the fidelity figure, and the gain
+    where the compiler schedules as MaxText's did."""
+    name = f"published-{run.name}-maxtext-flags"
+    with maxtext_flags(run):
+        report = remat_search.run(parse_spec(study_spec(run, storage, len(run.choices), name)))
+        found = answer(searched)
+        if found is None:
+            return report
+        params = optuna.load_study(study_name=f"published-{run.name}", storage=storage).trials[found.number].params
+        study = optuna.load_study(study_name=name, storage=storage)
+        if all(t.params != params for t in study.trials):
+            report = measure_params(study, storage, params)
+    return report
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
@@ -425,42 +505,55 @@ def main() -> None:
         return
     db = HERE / "results" / "studies" / "published_configs.db"
     results: list[tuple[Run, StudyReport]] = []
+    with_flags: dict[str, StudyReport] = {}
     if args.report:
-        results = [(run, remat_search.load_report(f"published-{run.name}", f"sqlite:///{db}"))
-                   for run in RUNS if run.name in args.runs]
+        stored = {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{db}")}
+        for run in (r for r in RUNS if r.name in args.runs):
+            results.append((run, remat_search.load_report(f"published-{run.name}", f"sqlite:///{db}")))
+            if f"published-{run.name}-maxtext-flags" in stored:
+                with_flags[run.name] = remat_search.load_report(f"published-{run.name}-maxtext-flags", f"sqlite:///{db}")
     else:
         storage = f"sqlite:///{db}" if args.resume else fresh_storage(db, keep_cache=True)
         for run in (r for r in RUNS if r.name in args.runs):
-            print(f"{run.name}: searching {run.topology}, {args.trials} trials", flush=True)
-            results.append((run, search(run, storage, args.trials)))
-    text = report_text(results)
+            kept = remat_search.load_report(f"published-{run.name}", storage) if args.resume else None
+            if kept is not None and len(kept.trials) >= args.trials:
+                results.append((run, kept))  # searched to --trials already
+            else:
+                print(f"{run.name}: searching {run.topology}, {args.trials} trials", flush=True)
+                results.append((run, search(run, storage, args.trials)))
+            print(f"{run.name}: the published configuration and the answer under MaxText's flags", flush=True)
+            with_flags[run.name] = flagged(run, storage, results[-1][1])
+    text = report_text(results, with_flags)
     out = HERE / "results" / "published_configs.md"
     out.write_text(text)
     plot(results, HERE / "results" / "published_configs.png")
     print("\n" + text + f"\nwrote {out} and published_configs.png")
 
 
-def report_text(results: list[tuple[Run, StudyReport]]) -> str:
-    """The results page: fidelity, quality, sources."""
-    ratios = {run.name: t.seconds / run.published_step() for run, report in results
-              if (t := published_trial(run, report)) is not None and t.seconds is not None}
+def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, StudyReport]) -> str:
+    """The results page: fidelity (under MaxText's flags where ``with_flags`` holds the run's
+    study of them), quality, sources."""
+    timed = {run.name: t for run, report in results
+             if (t := published_trial(run, with_flags.get(run.name, report))) is not None and t.seconds is not None}
+    ratios = {name: t.seconds / run.published_step() for run, _ in results if (t := timed.get(name := run.name))}
     corrected, loo = leave_one_out(results, ratios)
     fidelity, quality, gains = [], [], []
     for run, report in results:
-        mine, found = published_trial(run, report), answer(report)
-        step, m = run.published_step(), MODELS[run.model]
+        mine, found, flags = published_trial(run, report), answer(report), with_flags.get(run.name)
+        step, m, est = run.published_step(), MODELS[run.model], timed.get(run.name)
         head = (f"| {run.name} | {run.chips} × {run.chip} | {run.model} ({m.params() / 1e9:.1f} B) | "
                 f"{run.per_device_batch} × {run.seq} | {label(run.policy)} | {run.published} | {step:.2f} s | ")
-        if mine is not None and mine.seconds is not None:
-            e = mine.measurement.estimate
+        default = (f"{mine.seconds:.2f} s: {mine.seconds / step:.2f}" if mine is not None and mine.seconds is not None
+                   else "—")
+        if est is not None:
+            e = est.measurement.estimate
             fix = corrected.get(run.name)
             fidelity.append(head + (
-                f"{mine.seconds:.2f} s | {e.compute_seconds:.2f} / {e.collective_seconds:.2f} / "
-                f"{e.host_wait_seconds:.2f} s | {format_bytes(mine.peak_bytes)} | **{ratios[run.name]:.2f}** | "
-                f"{f'{fix:.2f}' if fix is not None else '—'} |"))
+                f"{est.seconds:.2f} s{'' if flags else ' (default flags)'} | {e.compute_seconds:.2f} / "
+                f"{e.collective_seconds:.2f} / {e.host_wait_seconds:.2f} s | {format_bytes(est.peak_bytes)} | "
+                f"**{ratios[run.name]:.2f}** | {f'{fix:.2f}' if fix is not None else '—'} | {default} |"))
         else:
-            fidelity.append(head + f"{mine.status if mine else 'not compiled'} | — | "
-                                   f"{format_bytes(mine.peak_bytes) if mine and mine.peak_bytes else '—'} | — | — |")
+            fidelity.append(head + "not compiled | — | — | — | — | " + default + " |")
         own = compiled(report)
         gain = (found.throughput / mine.throughput - 1) if found and mine and mine.throughput else None
         gains.append(gain)
@@ -469,7 +562,7 @@ def report_text(results: list[tuple[Run, StudyReport]]) -> str:
             f"{found.summary() if found else '—'} | {format_bytes(found.peak_bytes) if found else '—'} | "
             f"{f'{found.throughput:,.0f}' if found and found.throughput else '—'} | "
             f"{f'{gain:+.1%}' if gain is not None else '—'} | {len(own)} | "
-            f"{sum(t.measurement.compile_seconds or 0 for t in own) / 60:.0f} min |")
+            f"{sum(t.measurement.compile_seconds or 0 for t in own) / 60:.0f} min | {flagged_gain(run, flags, found)} |")
     spread = ""
     if ratios:
         values = list(ratios.values())
@@ -482,7 +575,8 @@ def report_text(results: list[tuple[Run, StudyReport]]) -> str:
     first = results[0][1] if results else None
     trials = {len(report.trials) for _, report in results}
     command = "python benchmarks/published_configs.py" + (f" --trials {trials.pop()}" if len(trials) == 1 else "")
-    compile_minutes = sum(t.measurement.compile_seconds or 0 for _, r in results for t in compiled(r)) / 60
+    studies = [r for _, r in results] + list(with_flags.values())
+    compile_minutes = sum(t.measurement.compile_seconds or 0 for r in studies for t in compiled(r)) / 60
     gpu = HERE / "results" / "published_configs_gpu" / "gpu_step_time.md"
     return "\n".join([
         "# MaxText's published TPU runs: the step-time model's fidelity and the search's answers\n",
@@ -490,11 +584,15 @@ def report_text(results: list[tuple[Run, StudyReport]]) -> str:
         f"{versions(first) if first else ''}; {compile_minutes:.0f} min of compiles on this 2-core machine. Each study "
         f"compiles its candidates ahead of time for the run's slice (a chip's share of the step), and the step-time "
         f"model estimates each (host transfers at {TPU_HOST_BYTES_PER_SECOND / 1e9:.0f} GB/s a chip, overlapped with "
-        f"the compute between a transfer's start and its done; collectives not overlapped).\n",
+        f"the compute between a transfer's start and its done; collectives not overlapped). The search compiles "
+        "with libtpu's default flags; the fidelity figures, and the last column of the quality table, come from a "
+        "second study of each run (`published-<run>-maxtext-flags`: the published configuration and the search's "
+        "answer) compiled with the XLA flags MaxText ran the run with (`LIBTPU_INIT_ARGS`, under Sources).\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
-        "| run | chips | model | batch a chip × tokens | remat | published | published step | estimated step | "
-        "compute / collectives / host wait | compiled peak a chip | est. / published | corrected (leave-one-out) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | chips | model | batch a chip × tokens | remat | published | published step | estimated step, "
+        "MaxText's flags | compute / collectives / host wait | compiled peak a chip | est. / published | "
+        "corrected (leave-one-out) | default flags: est. step, / published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *fidelity, "", spread,
         "## Quality: the configuration space searched at the same chips, global batch and HBM\n",
         "Micro-batch (the published per-chip batch or a divisor, with gradient accumulation making up the rest), "
@@ -502,8 +600,8 @@ def report_text(results: list[tuple[Run, StudyReport]]) -> str:
         "and the choices each source line names). Throughput is estimated tokens/s per chip, both sides "
         "from the same model, so a per-generation correction would not change the gain.\n",
         "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | compiles | "
-        "compile time |",
-        "|---|---|---|---|---|---|---|---|",
+        "compile time | MaxText's flags: published → found, est. tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *quality, "",
         f"Published configurations beaten by ≥ 5% estimated throughput: {beaten} of {len(quality)}.\n",
         "## Every candidate compiled\n",
@@ -514,13 +612,29 @@ def report_text(results: list[tuple[Run, StudyReport]]) -> str:
         *candidate_rows(results), "",
         "## Sources\n",
         *(f"- **{run.name}**: {run.source}.{' ' + run.note + '.' if run.note else ''} Choices: "
-          f"{', '.join(label(c) for c in run.choices)}." for run, _ in results),
+          f"{', '.join(label(c) for c in run.choices)}. `LIBTPU_INIT_ARGS`: `{run.xla_flags}`."
+          for run, _ in results),
         "",
         "![each study's candidates](published_configs.png)\n",
         *(["## On a GPU: each run's small model, measured\n",
            f"`python benchmarks/published_configs.py --gpu` on one GPU ({GPU_SCALE}× narrower, 4 layers, 2048 tokens; "
            "`results/published_configs_gpu/`):\n", gpu.read_text()] if gpu.exists() else []),
     ])
+
+
+def flagged_gain(run: Run, flags: StudyReport | None, found: TrialResult | None) -> str:
+    """Under MaxText's flags: the published configuration's and the answer's estimated tokens/s
+    a chip, and the gain (the answer's trial found in ``flags`` by its plan)."""
+    mine = published_trial(run, flags) if flags else None
+    if mine is None or not mine.throughput or found is None:
+        return "—"
+    again = next((t for t in flags.trials if t.plan == found.plan and t.status != "waiting"), None)
+    if again is None:
+        return f"{mine.throughput:,.0f} → not compiled"
+    if again.throughput is None:
+        peak = f" ({format_bytes(again.peak_bytes)})" if again.peak_bytes else ""
+        return f"{mine.throughput:,.0f} → **{again.status.replace('_', ' ')}**{peak}"
+    return f"{mine.throughput:,.0f} → {again.throughput:,.0f}: {again.throughput / mine.throughput - 1:+.1%}"
 
 
 def candidate_rows(results: list[tuple[Run, StudyReport]]) -> list[str]:

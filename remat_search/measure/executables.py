@@ -179,10 +179,8 @@ class Executables:
             oom = out_of_memory(e)
             if oom is None:
                 raise
-            temp, available = oom
-            return Build(
-                None, time.perf_counter() - start, started, oom=(temp + io_bytes(lowered, abstract), temp, available)
-            )
+            peak = oom.required or oom.temp + io_bytes(lowered, abstract)
+            return Build(None, time.perf_counter() - start, started, oom=(peak, oom.temp, oom.available))
         text, cost = compiled.as_text(), program_cost(compiled)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,

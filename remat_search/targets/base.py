@@ -26,7 +26,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from remat_search.errors import SpecError
 from remat_search.spec.models import TargetConfig, target_kind
@@ -38,6 +38,24 @@ _OOM = re.compile(
     r"Ran out of memory.*?required for HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)",
     re.DOTALL,
 )
+_OOM_IN_SPACE = re.compile(
+    r"Ran out of memory in memory space hbm\. Used [\d.]+[KMGT]? of ([\d.]+)([KMGT]?) hbm\. "
+    r"Exceeded hbm capacity by ([\d.]+)([KMGT]?).*?HLO temp\s+([\d.]+)([KMGT]?)",
+    re.DOTALL,
+)
+"""The same verdict as libtpu words it under other flags (``CompileTimeHbmOom``: the HBM and by
+how much the program exceeds it, then a breakdown whose ``HLO temp`` line is the temporaries)."""
+
+
+class OutOfMemory(NamedTuple):
+    """The TPU compiler's out-of-memory verdict, in bytes a chip."""
+
+    temp: int
+    """The temporaries the program needs."""
+    available: int
+    """The HBM the compiler had."""
+    required: int | None = None
+    """All the program needs (arguments and outputs too), where the verdict states it."""
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -126,14 +144,21 @@ def target_of(config: TargetConfig) -> Target:
     return target_class(kind)(config)  # type: ignore[call-arg]
 
 
-def out_of_memory(error: BaseException) -> tuple[int, int] | None:
-    """(required, available) bytes from the TPU compiler's out-of-memory error, else None: the
-    verdict of a compiler that refuses a program over the memory it has (compiling for a TPU
-    here or ahead of time; other compilers state none)."""
-    match = _OOM.search(str(error))
-    if match is None:
-        return None
-    return (int(float(match[1]) * _UNIT[match[2]]), int(float(match[3]) * _UNIT[match[4]]))
+def out_of_memory(error: BaseException) -> OutOfMemory | None:
+    """The TPU compiler's out-of-memory verdict in ``error``, else None: the verdict of a
+    compiler that refuses a program over the memory it has (compiling for a TPU here or ahead
+    of time; other compilers state none)."""
+    said = str(error)
+
+    def size(number: str, unit: str) -> int:
+        return int(float(number) * _UNIT[unit])
+
+    if match := _OOM.search(said):
+        return OutOfMemory(size(match[1], match[2]), size(match[3], match[4]))
+    if match := _OOM_IN_SPACE.search(said):
+        available = size(match[1], match[2])
+        return OutOfMemory(size(match[5], match[6]), available, available + size(match[3], match[4]))
+    return None
 
 
 @contextlib.contextmanager

@@ -49,12 +49,10 @@ from remat_search.targets.hlo import (
     Instruction,
     Module,
     array_bytes,
-    hbm_bytes,
     parse,
     shape_arrays,
     shape_dims,
     shape_elements,
-    through_copies,
     trip_count,
     tuple_elements,
 )

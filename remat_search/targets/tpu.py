@@ -89,7 +89,7 @@ def hbm_of(error: BaseException | None) -> int:
     limit that cannot be read is no budget to search under."""
     oom = out_of_memory(error) if error is not None else None
     if oom is not None:
-        return oom[1]
+        return oom.available
     if error is None:
         reason = "a program of 1 TiB a chip compiled without running out of memory"
     else:

@@ -380,16 +380,24 @@ def test_a_measurement_of_another_schema_or_compiler_is_not_reused(tmp_path: Pat
     m = Measurement(status="over_budget", plan_digest="plan", memory=memory)
     cache.store(engine, tpu, m, study="s", trial=0)
     assert cache.lookup(engine, tpu, "plan") == (m.raw, "s", 0)
-    for changed in ({"measurement_schema": MEASUREMENT_SCHEMA - 1}, {"compiler_version": "0.0.43"}):
+    flags = '{"LIBTPU_INIT_ARGS": "--xla_tpu_host_transfer_overlap_limit=24", "XLA_FLAGS": "", "options": {}}'
+    for changed in ({"measurement_schema": MEASUREMENT_SCHEMA - 1}, {"compiler_version": "0.0.43"},
+                    {"compiler_options": flags}):
         assert cache.lookup(engine, tpu.model_copy(update=changed), "plan") is None, changed
     engine.dispose()
 
 
-def test_the_worker_keys_measurements_by_this_schema(storage_url: str) -> None:
+def test_the_worker_keys_measurements_by_this_schema_and_the_compilers_flags(
+    storage_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/tpu.md: the workers compile under the LIBTPU_INIT_ARGS remat-search runs with, and
+    # their measurements are keyed on them (the flag is one libtpu knows: it reads them here too).
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_host_transfer_overlap_limit=24")
     with Runner(parse_spec(spec_dict(storage_url)).workload, timeout=120) as runner:
         device = runner.describe()
     assert device.measurement_schema == MEASUREMENT_SCHEMA and device.compiler_version is None  # CPU: XLA in jaxlib
     assert "remat_search" not in device.compiler_options  # the package's version says nothing of its measurements
+    assert json.loads(device.compiler_options)["LIBTPU_INIT_ARGS"] == "--xla_tpu_host_transfer_overlap_limit=24"
 
 
 def test_a_worker_keeps_the_most_recently_used_executables_and_the_anchor(tmp_path: Path) -> None:
