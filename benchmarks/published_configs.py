@@ -28,8 +28,9 @@ same TPU slice, compiled ahead of time:
 
 MaxText's flags (:attr:`Run.xla_flags`, set as ``LIBTPU_INIT_ARGS`` for the study's workers)
 decide, among other things, how early the compiler starts an offloaded tensor's transfer,
-which is what an offloading run's step waits for. A run's published figure is a measurement of a real machine; each estimate is the model's,
-of a program compiled by this machine's libtpu, which is not the one MaxText ran. Writes
+which is what an offloading run's step waits for. A run's published figure is a measurement
+of a real machine; each estimate is the model's, of a program compiled by this machine's
+libtpu, which is not the one MaxText ran. Writes
 ``benchmarks/results/published_configs.md`` (a row per run), the picture of each study's
 candidates (``published_configs.png``) and keeps the studies in
 ``benchmarks/results/studies/published_configs.db``.
@@ -535,7 +536,7 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
     study of them), quality, sources."""
     timed = {run.name: t for run, report in results
              if (t := published_trial(run, with_flags.get(run.name, report))) is not None and t.seconds is not None}
-    ratios = {name: t.seconds / run.published_step() for run, _ in results if (t := timed.get(name := run.name))}
+    ratios = {run.name: timed[run.name].seconds / run.published_step() for run, _ in results if run.name in timed}
     corrected, loo = leave_one_out(results, ratios)
     fidelity, quality, gains = [], [], []
     for run, report in results:
