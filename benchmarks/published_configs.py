@@ -22,8 +22,8 @@ same TPU slice, compiled ahead of time:
   offload among them. The published configuration is the reference configuration, so its
   presets are compiled first; the answer is the highest estimated throughput that fits, set
   against the published configuration's own estimate: the same model on both sides, so the
-  ratio is like for like. The search compiles with libtpu's default flags (MaxText's make the
-  v6e compiles 4–5× slower); a second study of each run (:func:`flagged`) compiles the run's
+  ratio is like for like. The search compiles with libtpu's default flags (MaxText's slow the
+  v6e compiles several times over); a second study of each run (:func:`flagged`) compiles the run's
   choices at the published configuration and the search's answer with MaxText's flags.
 
 MaxText's flags (:attr:`Run.xla_flags`, set as ``LIBTPU_INIT_ARGS`` for the study's workers)

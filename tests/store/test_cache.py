@@ -398,6 +398,10 @@ def test_the_worker_keys_measurements_by_this_schema_and_the_compilers_flags(
     assert device.measurement_schema == MEASUREMENT_SCHEMA and device.compiler_version is None  # CPU: XLA in jaxlib
     assert "remat_search" not in device.compiler_options  # the package's version says nothing of its measurements
     assert json.loads(device.compiler_options)["LIBTPU_INIT_ARGS"] == "--xla_tpu_host_transfer_overlap_limit=24"
+    # ... but they are not the study's identity: a study resumes under other flags (docs/tpu.md says so)
+    from remat_search.search.study import DEVICE_IDENTITY
+
+    assert "compiler_options" not in DEVICE_IDENTITY
 
 
 def test_a_worker_keeps_the_most_recently_used_executables_and_the_anchor(tmp_path: Path) -> None:
