@@ -402,10 +402,15 @@ def study_spec(run: Run, storage: str, trials: int, study: str) -> dict[str, Any
     }
 
 
+def study_names(run: Run) -> tuple[str, str]:
+    """The names of ``run``'s two studies: its search, and its compiles under MaxText's flags."""
+    return f"published-{run.name}", f"published-{run.name}-maxtext-flags"
+
+
 def search(run: Run, storage: str, trials: int) -> StudyReport:
     """``run``'s study (``published-<name>``): the configuration space searched, compiled with
     libtpu's default flags."""
-    return remat_search.run(parse_spec(study_spec(run, storage, trials, f"published-{run.name}")))
+    return remat_search.run(parse_spec(study_spec(run, storage, trials, study_names(run)[0])))
 
 
 @contextmanager
@@ -428,13 +433,13 @@ def flagged(run: Run, storage: str, searched: StudyReport) -> StudyReport:
     with: the run's choices at the published configuration (the presets, the published policy
     first) and the search's answer, where that is another: the fidelity figure, and the gain
     where the compiler schedules as MaxText's did."""
-    name = f"published-{run.name}-maxtext-flags"
+    searched_name, name = study_names(run)
     with maxtext_flags(run):
         report = remat_search.run(parse_spec(study_spec(run, storage, len(run.choices), name)))
         found = answer(searched)
         if found is None:
             return report
-        params = optuna.load_study(study_name=f"published-{run.name}", storage=storage).trials[found.number].params
+        params = optuna.load_study(study_name=searched_name, storage=storage).trials[found.number].params
         study = optuna.load_study(study_name=name, storage=storage)
         if all(t.params != params for t in study.trials):
             report = measure_params(study, storage, params)
@@ -510,13 +515,14 @@ def main() -> None:
     if args.report:
         stored = {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{db}")}
         for run in (r for r in RUNS if r.name in args.runs):
-            results.append((run, remat_search.load_report(f"published-{run.name}", f"sqlite:///{db}")))
-            if f"published-{run.name}-maxtext-flags" in stored:
-                with_flags[run.name] = remat_search.load_report(f"published-{run.name}-maxtext-flags", f"sqlite:///{db}")
+            searched_name, flags_name = study_names(run)
+            results.append((run, remat_search.load_report(searched_name, f"sqlite:///{db}")))
+            if flags_name in stored:
+                with_flags[run.name] = remat_search.load_report(flags_name, f"sqlite:///{db}")
     else:
         storage = f"sqlite:///{db}" if args.resume else fresh_storage(db, keep_cache=True)
         for run in (r for r in RUNS if r.name in args.runs):
-            kept = remat_search.load_report(f"published-{run.name}", storage) if args.resume else None
+            kept = remat_search.load_report(study_names(run)[0], storage) if args.resume else None
             if kept is not None and len(kept.trials) >= args.trials:
                 results.append((run, kept))  # searched to --trials already
             else:

@@ -48,8 +48,7 @@ def test_the_kept_studies_say_what_the_docs_say() -> None:
     storage = f"sqlite:///{Path(pc.__file__).parent / 'results' / 'studies' / 'published_configs.db'}"
     gains, ratios, default, flagged_gains = {}, {}, {}, {}
     for run in pc.RUNS:
-        report = remat_search.load_report(f"published-{run.name}", storage)
-        flagged = remat_search.load_report(f"published-{run.name}-maxtext-flags", storage)
+        report, flagged = (remat_search.load_report(name, storage) for name in pc.study_names(run))
         assert json.loads(report.device["compiler_options"])["LIBTPU_INIT_ARGS"] == ""
         assert json.loads(flagged.device["compiler_options"])["LIBTPU_INIT_ARGS"] == run.xla_flags
         mine, found, timed = pc.published_trial(run, report), pc.answer(report), pc.published_trial(run, flagged)

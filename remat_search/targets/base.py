@@ -38,6 +38,7 @@ _OOM = re.compile(
     r"Ran out of memory.*?required for HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)",
     re.DOTALL,
 )
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OOM_IN_SPACE = re.compile(
     r"Ran out of memory in memory space hbm\. Used [\d.]+[KMGT]? of ([\d.]+)([KMGT]?) hbm\. "
     r"Exceeded hbm capacity by ([\d.]+)([KMGT]?).*?HLO temp\s+([\d.]+)([KMGT]?)",
@@ -56,7 +57,6 @@ class OutOfMemory(NamedTuple):
     """The HBM the compiler had."""
     required: int | None = None
     """All the program needs (arguments and outputs too), where the verdict states it."""
-_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 class Target(ABC):
