@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 8
+MEASUREMENT_SCHEMA = 9
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -36,7 +36,10 @@ that many times fewer. 7: on TPU the peak is the compiler's ``peak_memory_in_byt
 of it and the breakdown sum (the compiler's out-of-memory verdict holds to it; see
 ``MemoryBreakdown.peak``), and the breakdown keeps the platform it was compiled for. 8: the model
 prices transfers to and from pinned host memory (offload) on the chip's host link, overlapped with
-the instructions between a transfer's start and its done; a ``-done`` costs nothing."""
+the instructions between a transfer's start and its done; a ``-done`` costs nothing. 9: a Pallas
+TPU kernel's FLOPs are its matmuls counted in its Mosaic body over its grid
+(``targets.pallas_kernels``): flash attention's backward kernels, which state none, count, and a
+causal kernel's skipped blocks do not."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 

@@ -9,7 +9,9 @@ the chip would execute it, one scheduled instruction after another, and prices e
   memory space, not those the compiler placed on the chip) at the chip's HBM bandwidth — a
   roofline per instruction, summed, so that recomputing elementwise work costs bandwidth and
   recomputing a matmul costs FLOPs. FLOPs are those of the matmuls (``dot``, ``convolution``)
-  inside, or a Pallas kernel's own cost estimate;
+  inside, or of a kernel's: a Pallas TPU kernel's matmuls counted in its Mosaic body over its
+  grid (:mod:`~remat_search.targets.pallas_kernels`), a GPU library kernel's read off its call
+  (:mod:`~remat_search.targets.gpu_kernels`);
 * a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute; also
   those the TPU compiler fused with a matmul) costs the bytes each chip receives in a ring over
   its group, at the chip's inter-chip (ICI) bandwidth, with **no overlap** with computation
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict
 
+from remat_search.targets import pallas_kernels
 from remat_search.targets.gpu_kernels import kernel_flops, without_workspace
 from remat_search.targets.hlo import (
     Computation,
@@ -430,8 +433,13 @@ def _collectives(computation: Computation, instructions: list[Instruction]) -> d
 
 
 def _flops(module: Module, computation: Computation, ins: Instruction) -> float:
-    """The matmul FLOPs of ``ins``: its own, those inside the fusion it is, or a kernel's estimate."""
+    """The matmul FLOPs of ``ins``: its own, those inside the fusion it is, or a kernel's: a
+    Pallas TPU kernel's counted in its body (:mod:`pallas_kernels`), else its own estimate, else
+    a GPU library kernel's (:mod:`gpu_kernels`)."""
     if ins.opcode == "custom-call":
+        counted = pallas_kernels.kernel_flops(ins.attributes)
+        if counted:
+            return counted
         estimate = _COST_ESTIMATE.search(ins.attributes)
         return float(json.loads(estimate[1]).get("flops", 0)) if estimate else kernel_flops(computation, ins) or 0.0
     if ins.opcode in ("dot", "convolution"):

@@ -1,0 +1,169 @@
+"""The matmul FLOPs of a Pallas TPU kernel, counted in its Mosaic body, for the step-time model
+(:mod:`remat_search.targets.step_time`).
+
+A Pallas kernel compiled for a TPU is a ``custom-call`` to ``tpu_custom_call`` whose
+``backend_config`` carries the kernel itself: ``"body"``, a Mosaic MLIR module in bytecode,
+base64. Its FLOPs are not in the HLO. A kernel may state an estimate (``"cost_estimate"``,
+from ``pl.CostEstimate``), but the estimate is its author's: Pallas's own flash attention
+states one for its forward kernel only, the non-causal count even where the kernel skips the
+masked half, and none for its two backward kernels (``flash_mha_bwd_dkv``: the scores
+recomputed, ``dV``, ``dP``, ``dK``; ``flash_mha_bwd_dq``: the scores, ``dP``, ``dQ``), which do
+3.5 times the forward's matmul work. Priced by their bytes alone, they vanished from a step.
+
+So the body is read instead. The kernel function (the one with ``iteration_bounds``: the
+grid) runs once per grid point, its first arguments the point's indices. Each ``tpu.matmul``
+in it costs 2 × its result's elements × its contracting size, once per grid point whose
+``scf.if`` conditions hold (a causal kernel's ``pl.when(below_or_on_diag(...))``) and once per
+iteration of each ``scf.for`` around it. Conditions and loop bounds are evaluated over the whole
+grid where they are integer arithmetic of the grid indices and constants; where they read
+anything else (a loaded value, a loop's own counter), the branch is counted as taken and a
+loop of unknown length once: an upper bound. Elementwise work is not counted (the model prices
+it by bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+try:  # Mosaic's dialect and MLIR's bindings, as jaxlib ships them
+    from jax._src.lib import tpu as _mosaic
+    from jax._src.lib.mlir import ir
+except ImportError:  # pragma: no cover - a jaxlib without them: kernels keep their own estimates
+    _mosaic = ir = None
+
+_BODY = re.compile(r'"custom_call_config"\s*:\s*\{\s*"body"\s*:\s*"([A-Za-z0-9+/=]+)"')
+_CONTRACTING = re.compile(r"dot_dimension_numbers<\[([\d, ]*)\]")
+_PREFIX = "stable_mosaic."
+"""What a serialized Mosaic module puts before each op's dialect (``stable_mosaic.tpu.matmul``)."""
+
+Weight = Any  # an integer, or a numpy integer array broadcastable to the grid: runs per grid point
+
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "arith.addi": np.add, "arith.subi": np.subtract, "arith.muli": np.multiply,
+    "arith.divsi": lambda a, b: np.trunc(np.divide(a, b)).astype(np.int64), "arith.floordivsi": np.floor_divide,
+    "arith.remsi": np.fmod, "arith.andi": np.bitwise_and, "arith.ori": np.bitwise_or, "arith.xori": np.bitwise_xor,
+    "arith.minsi": np.minimum, "arith.maxsi": np.maximum,
+}
+_SAME = {"arith.extui", "arith.extsi", "arith.trunci", "arith.index_cast", "arith.index_castui"}
+_COMPARE: dict[int, Callable[[Any, Any], Any]] = {
+    0: np.equal, 1: np.not_equal, 2: np.less, 3: np.less_equal, 4: np.greater, 5: np.greater_equal,
+    6: np.less, 7: np.less_equal, 8: np.greater, 9: np.greater_equal,
+}
+"""``arith.cmpi``'s predicates by number (eq, ne, slt, sle, sgt, sge, ult, ule, ugt, uge):
+grid indices are never negative, so the unsigned ones compare as the signed."""
+
+
+def kernel_flops(attributes: str) -> float | None:
+    """The matmul FLOPs of the Pallas TPU kernel whose ``custom-call`` attributes are
+    ``attributes``, or None where they carry no Mosaic body this module can read (another
+    kernel; a jaxlib without Mosaic's bindings)."""
+    body = _BODY.search(attributes)
+    return _body_flops(body[1]) if body else None
+
+
+@functools.lru_cache(maxsize=64)
+def _body_flops(encoded: str) -> float | None:
+    """FLOPs of one serialized Mosaic module (one kernel is called many times a program)."""
+    if ir is None:
+        return None
+    try:
+        body = base64.b64decode(encoded)
+    except binascii.Error:
+        return None
+    with ir.Context() as context:
+        _mosaic.register_dialect(context)
+        context.allow_unregistered_dialects = True
+        try:
+            module = ir.Module.parse(body)
+        except ir.MLIRError:
+            return None
+        kernel = next((op for op in module.body.operations if "iteration_bounds" in op.attributes), None)
+        if kernel is None:
+            return None
+        grid = [int(n) for n in kernel.attributes["iteration_bounds"]]
+        block = kernel.regions[0].blocks[0]
+        values: dict[Any, Any] = {
+            block.arguments[i]: np.arange(n, dtype=np.int64).reshape([n if j == i else 1 for j in range(len(grid))])
+            for i, n in enumerate(grid)
+        }
+        try:
+            return _block_flops(block, values, 1, grid)
+        except (KeyError, IndexError, TypeError, ValueError):  # a body shaped otherwise: its own estimate
+            return None
+
+
+def _block_flops(block: Any, values: dict[Any, Any], weight: Weight, grid: list[int]) -> float:
+    """The matmul FLOPs of one block's operations over the grid, each run ``weight`` times a
+    grid point; ``values`` holds what is known of the integers in scope."""
+    flops = 0.0
+    for op in block.operations:
+        name = op.name.removeprefix(_PREFIX)
+        if name == "tpu.matmul":
+            flops += _matmul_flops(op) * _runs(weight, grid)
+        elif name == "scf.if":
+            taken = values.get(op.operands[0])
+            then_weight = weight if taken is None else weight * np.asarray(taken, dtype=np.int64)
+            else_weight = weight if taken is None else weight * (1 - np.asarray(taken, dtype=np.int64))
+            flops += _block_flops(op.regions[0].blocks[0], values, then_weight, grid)
+            if len(op.regions) > 1 and len(op.regions[1].blocks):
+                flops += _block_flops(op.regions[1].blocks[0], values, else_weight, grid)
+        elif name == "scf.for":
+            lower, upper, step = (values.get(v) for v in list(op.operands)[:3])
+            trips = 1 if any(v is None for v in (lower, upper, step)) else np.maximum(0, -(-(np.asarray(upper) - lower) // step))
+            flops += _block_flops(op.regions[0].blocks[0], values, weight * trips, grid)
+        elif op.regions:
+            for region in op.regions:
+                for inner in region.blocks:
+                    flops += _block_flops(inner, values, weight, grid)
+        else:
+            _evaluate(op, name, values)
+    return flops
+
+
+def _evaluate(op: Any, name: str, values: dict[Any, Any]) -> None:
+    """Record ``op``'s result in ``values`` where it is integer arithmetic of known values."""
+    if len(op.results) != 1:
+        return
+    args = [values.get(v) for v in op.operands]
+    if name == "arith.constant":
+        value = op.attributes["value"]
+        if isinstance(value, ir.IntegerAttr):
+            values[op.results[0]] = np.int64(value.value)
+        return
+    if any(a is None for a in args):
+        return
+    if name in _BINARY and len(args) == 2:
+        values[op.results[0]] = _BINARY[name](*args)
+    elif name in _SAME and len(args) == 1:
+        values[op.results[0]] = args[0]
+    elif name == "arith.select" and len(args) == 3:
+        values[op.results[0]] = np.where(args[0], args[1], args[2])
+    elif name == "arith.cmpi" and len(args) == 2:
+        compare = _COMPARE.get(op.attributes["predicate"].value)
+        if compare is not None:
+            values[op.results[0]] = compare(*args).astype(np.int64)
+
+
+def _matmul_flops(op: Any) -> float:
+    """2 × the result's elements × the contracting size of the left operand."""
+    lhs = ir.ShapedType(op.operands[0].type).shape
+    out = ir.ShapedType(op.results[0].type).shape
+    found = _CONTRACTING.search(str(op.attributes["dimension_numbers"])) if "dimension_numbers" in op.attributes else None
+    contracting = [int(d) for d in found[1].split(",") if d.strip()] if found else [len(lhs) - 1]
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+
+
+def _runs(weight: Weight, grid: list[int]) -> float:
+    """How many times, over the whole grid, something run ``weight`` times a point runs."""
+    weight = np.asarray(weight, dtype=np.int64)
+    if weight.ndim == 0:
+        return float(weight) * math.prod(grid)
+    return float(weight.sum()) * math.prod(n for n, w in zip(grid, weight.shape, strict=True) if w == 1)
