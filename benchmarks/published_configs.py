@@ -550,7 +550,7 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         step, m, est = run.published_step(), MODELS[run.model], timed.get(run.name)
         head = (f"| {run.name} | {run.chips} × {run.chip} | {run.model} ({m.params() / 1e9:.1f} B) | "
                 f"{run.per_device_batch} × {run.seq} | {label(run.policy)} | {run.published} | {step:.2f} s | ")
-        default = (f"{mine.seconds:.2f} s: {mine.seconds / step:.2f}" if mine is not None and mine.seconds is not None
+        default = (f"{mine.seconds:.2f} s: {mine.seconds / step:.3f}" if mine is not None and mine.seconds is not None
                    else "—")
         if est is not None:
             e = est.measurement.estimate
@@ -558,7 +558,7 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
             fidelity.append(head + (
                 f"{est.seconds:.2f} s{'' if flags else ' (default flags)'} | {e.compute_seconds:.2f} / "
                 f"{e.collective_seconds:.2f} / {e.host_wait_seconds:.2f} s | {format_bytes(est.peak_bytes)} | "
-                f"**{ratios[run.name]:.2f}** | {f'{fix:.2f}' if fix is not None else '—'} | {default} |"))
+                f"**{ratios[run.name]:.3f}** | {f'{fix:.3f}' if fix is not None else '—'} | {default} |"))
         else:
             fidelity.append(head + "not compiled | — | — | — | — | " + default + " |")
         own = compiled(report)
@@ -573,8 +573,8 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
     spread = ""
     if ratios:
         values = list(ratios.values())
-        spread = (f"Estimate / published step over {len(values)} runs: min {min(values):.2f}, median "
-                  f"{statistics.median(values):.2f}, max {max(values):.2f}; within ±15%: "
+        spread = (f"Estimate / published step over {len(values)} runs: min {min(values):.3f}, median "
+                  f"{statistics.median(values):.3f}, max {max(values):.3f}; within ±15%: "
                   f"{sum(abs(v - 1) <= 0.15 for v in values)} of {len(values)}"
                   + (f", {sum(abs(v - 1) <= 0.15 for v in corrected.values())} of {len(corrected)} corrected"
                      if corrected else "") + ".\n\n" + loo)

@@ -129,27 +129,28 @@ def _block_flops(block: Any, values: dict[Any, Any], weight: Weight, grid: list[
 
 
 def _evaluate(op: Any, name: str, values: dict[Any, Any]) -> None:
-    """Record ``op``'s result in ``values`` where it is integer arithmetic of known values."""
+    """Record ``op``'s result in ``values`` where it is integer arithmetic of known values (a
+    truth value as 0 or 1, whatever its bits: ``true`` is -1 as a signed ``i1``)."""
     if len(op.results) != 1:
         return
     args = [values.get(v) for v in op.operands]
+    result = None
     if name == "arith.constant":
         value = op.attributes["value"]
-        if isinstance(value, ir.IntegerAttr):
-            values[op.results[0]] = np.int64(value.value)
+        result = np.int64(value.value) if isinstance(value, (ir.IntegerAttr, ir.BoolAttr)) else None
+    elif any(a is None for a in args):
         return
-    if any(a is None for a in args):
-        return
-    if name in _BINARY and len(args) == 2:
-        values[op.results[0]] = _BINARY[name](*args)
+    elif name in _BINARY and len(args) == 2:
+        result = _BINARY[name](*args)
     elif name in _SAME and len(args) == 1:
-        values[op.results[0]] = args[0]
+        result = args[0]
     elif name == "arith.select" and len(args) == 3:
-        values[op.results[0]] = np.where(args[0], args[1], args[2])
-    elif name == "arith.cmpi" and len(args) == 2:
-        compare = _COMPARE.get(op.attributes["predicate"].value)
-        if compare is not None:
-            values[op.results[0]] = compare(*args).astype(np.int64)
+        result = np.where(args[0], args[1], args[2])
+    elif name == "arith.cmpi" and len(args) == 2 and op.attributes["predicate"].value in _COMPARE:
+        result = _COMPARE[op.attributes["predicate"].value](*args)
+    if result is not None:
+        truth = str(op.results[0].type) == "i1"
+        values[op.results[0]] = (np.asarray(result) != 0).astype(np.int64) if truth else np.asarray(result, np.int64)
 
 
 def _matmul_flops(op: Any) -> float:

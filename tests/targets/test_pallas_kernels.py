@@ -100,6 +100,10 @@ def test_a_loop_counts_each_iteration_and_a_condition_on_the_grid_its_points() -
 
             o_ref[...] = jax.lax.fori_loop(0, 5, body, jnp.zeros((128, 128), jnp.float32))  # scf.for, 5 times
 
+        @pl.when(jnp.logical_not(pl.program_id(0) < 3))  # the other point: one matmul
+        def _() -> None:
+            o_ref[...] = jnp.dot(x_ref[...], x_ref[...], preferred_element_type=jnp.float32)
+
     call = pl.pallas_call(
         kernel, grid=(4,), in_specs=[pl.BlockSpec((128, 128), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((128, 128), lambda i: (i, 0)), out_shape=jax.ShapeDtypeStruct((512, 128), jnp.float32),
@@ -110,7 +114,7 @@ def test_a_loop_counts_each_iteration_and_a_condition_on_the_grid_its_points() -
                             check_vma=False)
     hlo = jax.jit(sharded).lower(x).compile().as_text()
     [line] = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert kernel_flops(line) == 3 * 5 * 2 * 128**3
+    assert kernel_flops(line) == (3 * 5 + 1) * 2 * 128**3
 
 
 def test_a_kernel_whose_body_cannot_be_read_keeps_its_own_estimate() -> None:
