@@ -359,7 +359,7 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
     """Bytes ``ins`` reads and writes in memory ``space`` (HBM, the default; or host
     memory): each operand in full and its result, except where it touches part of a buffer,
     as XLA's own cost analysis counts: a slice (``slice``, ``dynamic-slice``, ``gather``,
-    also inside a fusion) reads only what it keeps, and an update in place
+    also inside a fusion, or a fusion nested in that) reads only what it keeps, and an update in place
     (``dynamic-update-slice``) reads and writes only the update, not the buffer it updates.
     A scanned model's loop slices its layer out of stacked arrays, and writes its saved
     activations into them, this way every iteration."""
@@ -384,15 +384,30 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         nbytes for _, nbytes, where in results if where == space)
     if fused is None:
         return sum(reads) + written
-    users: dict[str, list[Instruction]] = {}
-    for i in fused.instructions:
-        for o in i.operands:
-            users.setdefault(o, []).append(i)
+    users: dict[str, dict[str, list[Instruction]]] = {}
 
-    def touched(name: str) -> list[Instruction]:  # its users, through bitcasts
+    def touched(inside: Computation, name: str) -> list[Instruction]:
+        """What reads ``name`` in ``inside``: its users, through bitcasts and into the
+        parameters of fusions nested in it (where the TPU compiler puts the slice of one
+        layer out of a scanned stack)."""
+        if inside.name not in users:
+            users[inside.name] = {}
+            for i in inside.instructions:
+                for o in i.operands:
+                    users[inside.name].setdefault(o, []).append(i)
         found = []
-        for u in users.get(name, []):
-            found += touched(u.name) if u.opcode == "bitcast" else [u]
+        for u in users[inside.name].get(name, []):
+            nested = module.computations.get(dict(_CALLED.findall(u.attributes)).get("calls", "")) if (
+                u.opcode == "fusion") else None
+            if u.opcode == "bitcast":
+                found += touched(inside, u.name)
+            elif nested is not None:
+                for k in (k for k, o in enumerate(u.operands) if o == name):
+                    inner = next((i for i in nested.instructions if i.opcode == "parameter" and i.arguments == str(k)),
+                                 None)
+                    found += touched(nested, inner.name) if inner is not None else [u]
+            else:
+                found.append(u)
         return found
 
     def origin(name: str) -> Instruction | None:  # the instruction behind bitcasts
@@ -403,7 +418,7 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         index = int(p.arguments) if p.arguments.isdigit() else -1
         if not 0 <= index < len(reads):
             continue
-        uses = touched(p.name)
+        uses = touched(fused, p.name)
         if uses and all(u.opcode in _SLICES for u in uses):
             reads[index] = min(reads[index], sum(array_bytes(u.shape) for u in uses))
         elif uses and all(u.opcode == "dynamic-update-slice" and origin(u.operands[0]) is p for u in uses):

@@ -134,6 +134,38 @@ def test_a_slice_reads_what_it_keeps_and_an_update_in_place_moves_only_the_updat
     assert estimate_step(SLICED, CHIP).hbm_bytes == layer + sliced + put
 
 
+NESTED = """HloModule nested, is_scheduled=true
+
+%take (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
+  %p0 = f32[8,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,1024}
+}
+
+%outer (q0: f32[8,1024], q1: s32[]) -> f32[1,1024] {
+  %q0 = f32[8,1024]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %b = f32[8,1024]{1,0} bitcast(%q0)
+  %taken = f32[1,1024]{1,0} fusion(%b, %q1), kind=kLoop, calls=%take
+  ROOT %neg = f32[1,1024]{1,0} negate(%taken)
+}
+
+ENTRY %main (stack: f32[8,1024], i: s32[]) -> f32[1,1024] {
+  %stack = f32[8,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %layer = f32[1,1024]{1,0} fusion(%stack, %i), kind=kOutput, calls=%outer
+}
+"""
+
+
+def test_a_slice_in_a_fusion_nested_in_another_reads_what_it_keeps() -> None:
+    # The TPU compiler's collective-matmul fusions nest the fusion that takes one layer out of
+    # a scanned stack (Llama 2 70B's backward: 80 layers, each read whole every layer before).
+    row = 1024 * 4
+    assert estimate_step(NESTED, CHIP).hbm_bytes == row + 4 + row
+
+
 STEPPED = """HloModule stepped, is_scheduled=true
 
 %fused_matmul (param_0: bf16[64,128], param_1: bf16[128,256]) -> bf16[64,256] {
