@@ -95,15 +95,18 @@ def test_collectives_cost_what_a_ring_moves_per_chip_once_a_channel_at_the_ici_b
     assert estimate_step(MODULE, CHIP.model_copy(update={"ici_bytes_per_second": None})).collective_seconds == 0
 
 
-SLICED = """HloModule sliced, is_scheduled=true
-
-%take (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
+TAKE = """%take (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
   %p0 = f32[8,1024]{1,0} parameter(0)
   %p1 = s32[] parameter(1)
   %c = s32[] constant(0)
   ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,1024}
 }
+"""
+"""A fusion's computation that takes one row (a layer) out of a stack of 8."""
 
+SLICED = """HloModule sliced, is_scheduled=true
+
+""" + TAKE + """
 %put (p0.1: f32[8,1024], p1.1: f32[1,1024], p2.1: s32[]) -> f32[8,1024] {
   %p0.1 = f32[8,1024]{1,0} parameter(0)
   %p1.1 = f32[1,1024]{1,0} parameter(1)
@@ -136,13 +139,7 @@ def test_a_slice_reads_what_it_keeps_and_an_update_in_place_moves_only_the_updat
 
 NESTED = """HloModule nested, is_scheduled=true
 
-%take (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
-  %p0 = f32[8,1024]{1,0} parameter(0)
-  %p1 = s32[] parameter(1)
-  %c = s32[] constant(0)
-  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,1024}
-}
-
+""" + TAKE + """
 %outer (q0: f32[8,1024], q1: s32[]) -> f32[1,1024] {
   %q0 = f32[8,1024]{1,0} parameter(0)
   %q1 = s32[] parameter(1)
