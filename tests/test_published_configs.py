@@ -42,8 +42,8 @@ def test_each_model_has_the_parameters_its_count_says(name: str) -> None:
 
 
 def test_the_kept_studies_say_what_the_docs_say() -> None:
-    # README and docs/benchmarks.md: 4 of the 5 published configurations beaten by ≥ 5% estimated
-    # throughput (the searches, libtpu's default flags); 4 of 5 estimates within ±15% of the
+    # README and docs/benchmarks.md: 3 of the 5 published configurations beaten by ≥ 5% estimated
+    # throughput (the searches, libtpu's default flags); 3 of 5 estimates within ±15% of the
     # published step, compiled with the flags MaxText ran each run with (their own studies); read
     # from the studies benchmarks/published_configs.py kept (results/studies/published_configs.db).
     import json
@@ -68,13 +68,13 @@ def test_the_kept_studies_say_what_the_docs_say() -> None:
         again = next(t for t in flagged.trials if t.plan == found.plan and t.status != "waiting")
         flagged_gains[run.name] = again.throughput / timed.throughput - 1 if again.throughput else again.status
     assert sorted(name for name, gain in gains.items() if gain >= 0.05) == [
-        "v5e-32b", "v5e-64b", "v6e-llama2-70b", "v6e-llama3.1-8b"]
+        "v5e-32b", "v6e-llama2-70b", "v6e-llama3.1-8b"]
     assert gains["v5e-16b"] == 0  # its answer is the published configuration
+    assert 0 < gains["v5e-64b"] < 0.05
     assert sorted(name for name, r in ratios.items() if abs(r - 1) <= 0.15) == [
-        "v5e-32b", "v5e-64b", "v6e-llama2-70b", "v6e-llama3.1-8b"]
-    assert sorted(name for name, r in default.items() if abs(r - 1) <= 0.15) == ["v5e-32b", "v5e-64b", "v6e-llama2-70b"]
-    # Under MaxText's flags the 70B's answer is over the HBM (the compiler refuses it), the others
-    # keep their gains: 3 of 5 beaten by ≥ 5%.
-    assert flagged_gains["v6e-llama2-70b"] == "over_budget"
-    assert sorted(n for n, g in flagged_gains.items() if not isinstance(g, str) and g >= 0.05) == [
         "v5e-32b", "v5e-64b", "v6e-llama3.1-8b"]
+    assert sorted(name for name, r in default.items() if abs(r - 1) <= 0.15) == ["v5e-32b", "v5e-64b", "v6e-llama2-70b"]
+    # Under MaxText's flags the same three are beaten by >= 5% (the 70B's answer, full remat,
+    # fits under them too).
+    assert sorted(n for n, g in flagged_gains.items() if not isinstance(g, str) and g >= 0.05) == [
+        "v5e-32b", "v6e-llama2-70b", "v6e-llama3.1-8b"]
