@@ -33,12 +33,6 @@ from typing import Any
 
 import numpy as np
 
-try:  # Mosaic's dialect and MLIR's bindings, as jaxlib ships them
-    from jax._src.lib import tpu as _mosaic
-    from jax._src.lib.mlir import ir
-except ImportError:  # pragma: no cover - a jaxlib without them: kernels keep their own estimates
-    _mosaic = ir = None
-
 _BODY = re.compile(r'"custom_call_config"\s*:\s*\{\s*"body"\s*:\s*"([A-Za-z0-9+/=]+)"')
 _CONTRACTING = re.compile(r"dot_dimension_numbers<\[([\d, ]*)\]")
 _PREFIX = "stable_mosaic."
@@ -72,14 +66,18 @@ def kernel_flops(attributes: str) -> float | None:
 @functools.lru_cache(maxsize=64)
 def _body_flops(encoded: str) -> float | None:
     """FLOPs of one serialized Mosaic module (one kernel is called many times a program)."""
-    if ir is None:
+    try:  # Mosaic's dialect and MLIR's bindings, as jaxlib ships them (imported here: reading
+        # a study's report needs no jax)
+        from jax._src.lib import tpu as mosaic
+        from jax._src.lib.mlir import ir
+    except ImportError:  # pragma: no cover - a jaxlib without them: kernels keep their own estimates
         return None
     try:
         body = base64.b64decode(encoded)
     except binascii.Error:
         return None
     with ir.Context() as context:
-        _mosaic.register_dialect(context)
+        mosaic.register_dialect(context)
         context.allow_unregistered_dialects = True
         try:
             module = ir.Module.parse(body)
@@ -131,6 +129,8 @@ def _block_flops(block: Any, values: dict[Any, Any], weight: Weight, grid: list[
 def _evaluate(op: Any, name: str, values: dict[Any, Any]) -> None:
     """Record ``op``'s result in ``values`` where it is integer arithmetic of known values (a
     truth value as 0 or 1, whatever its bits: ``true`` is -1 as a signed ``i1``)."""
+    from jax._src.lib.mlir import ir
+
     if len(op.results) != 1:
         return
     args = [values.get(v) for v in op.operands]
@@ -155,6 +155,8 @@ def _evaluate(op: Any, name: str, values: dict[Any, Any]) -> None:
 
 def _matmul_flops(op: Any) -> float:
     """2 × the result's elements × the contracting size of the left operand."""
+    from jax._src.lib.mlir import ir
+
     lhs = ir.ShapedType(op.operands[0].type).shape
     out = ir.ShapedType(op.results[0].type).shape
     found = _CONTRACTING.search(str(op.attributes["dimension_numbers"])) if "dimension_numbers" in op.attributes else None
