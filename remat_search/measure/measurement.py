@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 10
+MEASUREMENT_SCHEMA = 11
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -41,7 +41,10 @@ TPU kernel's FLOPs are its matmuls counted in its Mosaic body over its grid
 (``targets.pallas_kernels``): flash attention's backward kernels, which state none, count, and a
 causal kernel's skipped blocks do not. 10: a slice in a fusion nested in another (the TPU
 compiler's collective matmuls take a scanned stack's layer that way) reads what it keeps, not the
-whole stack."""
+whole stack. 11: a collective run by an asynchronous call on another thread (a v6e's SparseCore
+all-reduce, ``call-start``) is priced, and that thread's computations are read apart; the fusions
+that start, carry and wait for an asynchronous collective on TPU move on HBM only what they
+compute (the collective's buffers are its ICI bytes, as an unfused collective's are)."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 

@@ -63,7 +63,7 @@ def parse(hlo: str) -> Module:
                 current = computations.setdefault(header[2], Computation(header[2]))
                 entry = header[2] if header[1] else entry
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):  # "}" or, for another execution thread's, '}, execution_thread="…"'
             current = None
             continue
         instruction = _parse_instruction(line)

@@ -13,10 +13,14 @@ the chip would execute it, one scheduled instruction after another, and prices e
   grid (:mod:`~remat_search.targets.pallas_kernels`), a GPU library kernel's read off its call
   (:mod:`~remat_search.targets.gpu_kernels`);
 * a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute; also
-  those the TPU compiler fused with a matmul) costs the bytes each chip receives in a ring over
+  those the TPU compiler fused with a matmul, and those a v6e's SparseCore runs, called
+  asynchronously on its own thread: ``call-start``) costs the bytes each chip receives in a ring over
   its group, at the chip's inter-chip (ICI) bandwidth, with **no overlap** with computation
   assumed: an upper bound on communication's share, which is how a fully rematerialised FSDP
-  layer's second gather of its weights shows;
+  layer's second gather of its weights shows. Its buffers cost no HBM time (the chip's DMA
+  engines fill them as the slower ICI delivers), also where the TPU compiler chains it over
+  fusions (``AsyncCollectiveStart`` … ``AsyncCollectiveDone``): those fusions cost what else
+  they compute;
 * a transfer to or from pinned host memory (``S(5)``: an ``offload`` policy's tensors) costs
   its bytes at the chip's host link (:attr:`Chip.host_bytes_per_second`), one transfer after
   another on the link, **overlapped** with the instructions scheduled between the transfer's
@@ -297,7 +301,7 @@ def _instruction_cost(
             ins.attributes) else [called.get("true_computation", ""), called.get("false_computation", "")]
         branches = [_cost_of(module, n, memo, chip) for n in names if n]
         return max(branches, key=lambda c: (c.flops, c.hbm_bytes, c.collective_bytes), default=_Cost())
-    if opcode == "call":
+    if opcode in ("call", "call-start"):  # call-start: run on another thread (a SparseCore's collective)
         return _cost_of(module, called.get("to_apply", ""), memo, chip)
     if opcode.removesuffix("-start") in _COLLECTIVES:
         return _Cost(instructions=1, channels=_collectives(computation, [ins]))
@@ -323,7 +327,7 @@ def _as_run(ins: Instruction) -> Instruction:
     return replace(ins, opcode="fusion", shape=elements[1] if len(elements) > 1 else ins.shape)
 
 
-_CONTROL = {"while", "call", "conditional"}
+_CONTROL = {"while", "call", "call-start", "conditional"}
 
 
 def _host_bytes(module: Module, computation: Computation, ins: Instruction) -> float:
@@ -379,6 +383,7 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         return (array_bytes(update) if updated else 0.0) + in_space(update)
     fused = module.computations.get(dict(_CALLED.findall(ins.attributes)).get("calls", "")) if (
         ins.opcode.removesuffix("-start") == "fusion") else None
+    root = fused.instructions[-1] if fused is not None and fused.instructions else None
     reads = [in_space(shapes.get(o, "")) for o in ins.operands]
     written = 0.0 if ins.opcode.endswith("-start") and ins.opcode != "fusion-start" else sum(
         nbytes for _, nbytes, where in results if where == space)
@@ -414,24 +419,47 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         i = fused.by_name.get(name)
         return origin(i.operands[0]) if i is not None and i.opcode == "bitcast" and i.operands else i
 
+    collective = any(_is_collective(i) for i in fused.instructions)
     for p in (i for i in fused.instructions if i.opcode == "parameter"):
         index = int(p.arguments) if p.arguments.isdigit() else -1
         if not 0 <= index < len(reads):
             continue
         uses = touched(fused, p.name)
-        if uses and all(u.opcode in _SLICES for u in uses):
+        if collective and uses and all(_is_collective(u) or u is root for u in uses):
+            reads[index] = 0.0  # sent by a collective, or handed on to the next fusion of its chain
+        elif uses and all(u.opcode in _SLICES for u in uses):
             reads[index] = min(reads[index], sum(array_bytes(u.shape) for u in uses))
         elif uses and all(u.opcode == "dynamic-update-slice" and origin(u.operands[0]) is p for u in uses):
             reads[index] = 0.0
-    root = fused.instructions[-1] if fused.instructions else None
     outputs = [origin(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [origin(
         root.name) if root is not None else None]
-    if len(outputs) == len(results) and written:
+    if collective and root is not None and _is_collective(root):
+        written = 0.0  # the chain's start or done: the collective's own buffers
+    elif len(outputs) == len(results) and written:
         written = sum(
-            (array_bytes(fused.shapes.get(out.operands[1], "")) if out is not None and out.opcode == "dynamic-update-slice"
-             else nbytes) for out, (_, nbytes, where) in zip(outputs, results, strict=True) if where == space
+            _written(out, nbytes, fused, collective) for out, (_, nbytes, where) in zip(outputs, results, strict=True)
+            if where == space
         )
     return sum(reads) + written
+
+
+def _written(out: Instruction | None, nbytes: float, fused: Computation, collective: bool) -> float:
+    """What a fusion's output ``out`` writes: an update in place, its update; in an
+    asynchronous collective's fusion, a buffer the collective fills (received over the ICI, as
+    an unfused collective's is) or one handed on unchanged (a parameter), nothing."""
+    if out is not None and out.opcode == "dynamic-update-slice":
+        return array_bytes(fused.shapes.get(out.operands[1], ""))
+    if collective and out is not None and (out.opcode == "parameter" or _is_collective(out)):
+        return 0.0
+    return nbytes
+
+
+def _is_collective(ins: Instruction) -> bool:
+    """A collective, or the TPU compiler's marker of where an asynchronous one starts or is
+    waited for (``AsyncCollectiveStart``, ``AsyncCollectiveDone``: the roots of the fusions that
+    chain one across the instructions between)."""
+    return ins.opcode.removesuffix("-start") in _COLLECTIVES or (
+        ins.opcode == "custom-call" and 'custom_call_target="AsyncCollective' in ins.attributes)
 
 
 def _collectives(computation: Computation, instructions: list[Instruction]) -> dict[str, float]:

@@ -74,11 +74,11 @@ def test_each_instruction_costs_the_slower_of_its_flops_and_its_hbm_bytes() -> N
     matmul_flops = 2 * 64 * 256 * 128
     matmul_bytes = (64 * 128 + 128 * 256 + 64 * 256) * 2
     scale_bytes = 2 * 1024 * 1024 * 4  # elementwise: its FLOPs are not priced, its bytes are
-    gather_bytes = (64 * 256 + 128 * 256) * 2  # the fusion reads its operand and writes the gathered result
     assert e.flops == 2 * matmul_flops
-    # The copy within on-chip memory (S(1)) moves no HBM bytes; the loop runs its body 3 times.
-    assert e.hbm_bytes == 2 * matmul_bytes + 3 * scale_bytes + 2 * gather_bytes
-    each = [max(matmul_flops / 1e12, matmul_bytes / 1e9)] * 2 + [scale_bytes / 1e9] * 3 + [gather_bytes / 1e9] * 2
+    # The copy within on-chip memory (S(1)) moves no HBM bytes; the loop runs its body 3 times;
+    # a fusion that only gathers moves its bytes over the ICI, as an unfused all-gather does.
+    assert e.hbm_bytes == 2 * matmul_bytes + 3 * scale_bytes
+    each = [max(matmul_flops / 1e12, matmul_bytes / 1e9)] * 2 + [scale_bytes / 1e9] * 3
     assert e.compute_seconds == pytest.approx(sum(each))
     # the matmuls, the copy, the all-reduce, the two gathering fusions, the loop's three iterations
     assert e.instructions == 2 + 1 + 1 + 2 + 3 and e.unknown_trip_counts == 0
@@ -161,6 +161,100 @@ def test_a_slice_in_a_fusion_nested_in_another_reads_what_it_keeps() -> None:
     # a scanned stack (Llama 2 70B's backward: 80 layers, each read whole every layer before).
     row = 1024 * 4
     assert estimate_step(NESTED, CHIP).hbm_bytes == row + 4 + row
+
+
+SPARSECORE = """HloModule sparsecore, is_scheduled=true
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}, execution_thread="sparsecore"
+
+%reducing (g: f32[1024,1024], t: token[]) -> f32[1024,1024] {
+  %t = token[] parameter(1)
+  %g = f32[1024,1024]{1,0} parameter(0)
+  ROOT %all-reduce.1 = f32[1024,1024]{1,0} all-reduce(%g), channel_id=5, replica_groups=[1,4]<=[4], to_apply=%sum
+}, execution_thread="sparsecore"
+
+%fused_scale (param_0.1: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0.1 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %multiply.1 = f32[1024,1024]{1,0} multiply(%param_0.1, %param_0.1)
+}
+
+ENTRY %main (x: f32[1024,1024], t: token[]) -> f32[1024,1024] {
+  %x = f32[1024,1024]{1,0} parameter(0)
+  %t = token[] parameter(1)
+  %call-start = ((f32[1024,1024]{1,0}, token[]), f32[1024,1024]{1,0}) call-start(%x, %t), async_execution_thread="sparsecore", to_apply=%reducing
+  %scaled = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_scale
+  %call-done = f32[1024,1024]{1,0} call-done(%call-start)
+  ROOT %out = f32[1024,1024]{1,0} fusion(%call-done), kind=kLoop, calls=%fused_scale
+}
+"""
+"""The v6e's SparseCore runs an all-reduce (``--xla_tpu_enable_sparse_core_collective_offload_all_reduce``,
+MaxText's v6e flags) as an asynchronous call of a computation on its own execution thread."""
+
+
+def test_a_collective_a_sparsecore_runs_is_priced_and_its_computation_read_whole() -> None:
+    # Before, the computations of the sparsecore thread ('}, execution_thread=...' closes them)
+    # ran on into the next one, and the call's all-reduce went unpriced: Llama 2 70B's gradient
+    # all-reduces under MaxText's flags, 0.7 s of its step.
+    e = estimate_step(SPARSECORE, CHIP)
+    assert e.collective_bytes == 2 * 4 * 2**20 * 3 / 4  # the all-reduce over 4, once
+    scale = 2 * 4 * 2**20  # each scaling fusion reads and writes 4 MiB; the call moves nothing on HBM itself
+    assert e.hbm_bytes == 2 * scale and e.instructions == 3
+
+
+CHAINED = """HloModule chained, is_scheduled=true
+
+%start (s0: bf16[4,256]) -> (bf16[4,256], bf16[16,256], u32[]) {
+  %s0 = bf16[4,256]{1,0} parameter(0)
+  %ag.1 = bf16[16,256]{1,0} all-gather(%s0), channel_id=9, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %cc.1 = (bf16[4,256]{1,0}, bf16[16,256]{1,0}, u32[]{:S(2)}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%matmul_on (m0: bf16[4,256], m1: bf16[16,256], m2: bf16[64,16], m3: bf16[16,256]) -> (bf16[64,256], bf16[4,256], bf16[16,256], bf16[16,256]) {
+  %m0 = bf16[4,256]{1,0} parameter(0)
+  %m1 = bf16[16,256]{1,0} parameter(1)
+  %m2 = bf16[64,16]{1,0} parameter(2)
+  %m3 = bf16[16,256]{1,0} parameter(3)
+  %dot.1 = bf16[64,256]{1,0} dot(%m2, %m3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag.2 = bf16[16,256]{1,0} all-gather(%m0), channel_id=9, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %t = (bf16[64,256]{1,0}, bf16[4,256]{1,0}, bf16[16,256]{1,0}, bf16[16,256]{1,0}) tuple(%dot.1, %m0, %m1, %ag.2)
+}
+
+%done (d0: bf16[4,256], d1: bf16[16,256]) -> bf16[16,256] {
+  %d0 = bf16[4,256]{1,0} parameter(0)
+  %d1 = bf16[16,256]{1,0} parameter(1)
+  %ag.3 = bf16[16,256]{1,0} all-gather(%d0), channel_id=9, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %cc.2 = bf16[16,256]{1,0} custom-call(%d0, %d1, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (shard: bf16[4,256], x: bf16[64,16], w: bf16[16,256]) -> bf16[16,256] {
+  %shard = bf16[4,256]{1,0} parameter(0)
+  %x = bf16[64,16]{1,0} parameter(1)
+  %w = bf16[16,256]{1,0} parameter(2)
+  %s = (bf16[4,256]{1,0}, bf16[16,256]{1,0}, u32[]{:S(2)}) fusion(%shard), kind=kCustom, calls=%start
+  %s0 = bf16[4,256]{1,0} get-tuple-element(%s), index=0
+  %s1 = bf16[16,256]{1,0} get-tuple-element(%s), index=1
+  %m = (bf16[64,256]{1,0}, bf16[4,256]{1,0}, bf16[16,256]{1,0}, bf16[16,256]{1,0}) fusion(%s0, %s1, %x, %w), kind=kOutput, output_to_operand_aliasing={{1}: (0, {}), {2}: (1, {}), {3}: (1, {})}, calls=%matmul_on
+  %m1 = bf16[4,256]{1,0} get-tuple-element(%m), index=1
+  %m2 = bf16[16,256]{1,0} get-tuple-element(%m), index=3
+  ROOT %d = bf16[16,256]{1,0} fusion(%m1, %m2), kind=kCustom, output_to_operand_aliasing={{}: (1, {})}, calls=%done
+}
+"""
+"""The TPU compiler's asynchronous all-gather (``--xla_tpu_enable_async_collective_fusion``): a
+fusion starts it, one that runs a matmul meanwhile hands its buffers on, and one waits for it."""
+
+
+def test_an_asynchronous_collectives_fusions_move_on_hbm_only_what_they_compute() -> None:
+    # As an unfused all-gather is priced: its bytes over the ICI, none on HBM. Before, its start
+    # wrote the gathered buffer, the matmul's fusion read and wrote it again, and its done read
+    # and wrote it once more (a pure gather's fusions priced 0.45 s of Llama 2 70B's step).
+    e = estimate_step(CHAINED, CHIP)
+    assert e.collective_bytes == 16 * 256 * 2 * 3 / 4  # one channel, received once
+    assert e.hbm_bytes == (64 * 16 + 16 * 256 + 64 * 256) * 2  # the matmul's operands and result
+    assert e.flops == 2 * 64 * 256 * 16
 
 
 STEPPED = """HloModule stepped, is_scheduled=true
