@@ -583,9 +583,10 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         values = list(ratios.values())
         spread = (f"Estimate / published step over {len(values)} runs: min {min(values):.3f}, median "
                   f"{statistics.median(values):.3f}, max {max(values):.3f}; within ±15%: "
-                  f"{sum(abs(v - 1) <= 0.15 for v in values)} of {len(values)}"
-                  + (f", {sum(abs(v - 1) <= 0.15 for v in corrected.values())} of {len(corrected)} corrected"
-                     if corrected else "") + ".\n\n" + loo)
+                  f"{sum(abs(v - 1) <= 0.15 for v in values)} of {len(values)} as estimated"
+                  + (f"; {sum(abs(corrected.get(n, v) - 1) <= 0.15 for n, v in ratios.items())} of {len(values)} "
+                     f"with the correction where leave-one-out applies it ({len(corrected)} runs corrected, each by "
+                     "the other runs of its generation)" if corrected else "") + ".\n\n" + loo)
     beaten = sum(1 for g in gains if g is not None and g >= 0.05)
     first = results[0][1] if results else None
     trials = {len(report.trials) for _, report in results}
