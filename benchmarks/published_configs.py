@@ -583,8 +583,8 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         values = list(ratios.values())
         spread = (f"Estimate / published step over {len(values)} runs: min {min(values):.3f}, median "
                   f"{statistics.median(values):.3f}, max {max(values):.3f}; within ±15%: "
-                  f"{sum(abs(v - 1) <= 0.15 for v in values)} of {len(values)} as estimated"
-                  + (f"; {sum(abs(corrected.get(n, v) - 1) <= 0.15 for n, v in ratios.items())} of {len(values)} "
+                  f"{sum(map(within, values))} of {len(values)} as estimated"
+                  + (f"; {sum(within(corrected.get(n, v)) for n, v in ratios.items())} of {len(values)} "
                      f"with the correction where leave-one-out applies it ({len(corrected)} runs corrected, each by "
                      "the other runs of its generation)" if corrected else "") + ".\n\n" + loo)
     beaten = sum(1 for g in gains if g is not None and g >= 0.05)
@@ -668,6 +668,11 @@ def candidate_rows(results: list[tuple[Run, StudyReport]]) -> list[str]:
                 f"{format_bytes(t.peak_bytes) if t.peak_bytes else '—'} | {'yes' if fits else '**no**'} | "
                 f"{f'{seconds:.2f} s' if seconds else '—'} | {f'{rate:,.0f}' if rate else '—'} | {vs} |")
     return rows
+
+
+def within(ratio: float) -> bool:
+    """Whether an estimate / published ratio meets the issue's fidelity target, ±15%."""
+    return abs(ratio - 1) <= 0.15
 
 
 def leave_one_out(results: list[tuple[Run, StudyReport]], ratios: dict[str, float]) -> tuple[dict[str, float], str]:
