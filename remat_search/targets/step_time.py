@@ -383,7 +383,6 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         return (array_bytes(update) if updated else 0.0) + in_space(update)
     fused = module.computations.get(dict(_CALLED.findall(ins.attributes)).get("calls", "")) if (
         ins.opcode.removesuffix("-start") == "fusion") else None
-    root = fused.instructions[-1] if fused is not None and fused.instructions else None
     reads = [in_space(shapes.get(o, "")) for o in ins.operands]
     written = 0.0 if ins.opcode.endswith("-start") and ins.opcode != "fusion-start" else sum(
         nbytes for _, nbytes, where in results if where == space)
@@ -419,6 +418,7 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         i = fused.by_name.get(name)
         return origin(i.operands[0]) if i is not None and i.opcode == "bitcast" and i.operands else i
 
+    root = fused.instructions[-1] if fused.instructions else None
     collective = any(_is_collective(i) for i in fused.instructions)
     for p in (i for i in fused.instructions if i.opcode == "parameter"):
         index = int(p.arguments) if p.arguments.isdigit() else -1
