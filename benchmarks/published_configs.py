@@ -138,6 +138,9 @@ class Run:
     source: str = ""
     note: str = ""
     choices: list[Any] = field(default_factory=list)
+    attention_blocks: dict[str, int] = field(default_factory=dict)
+    """The flash kernel's block sizes MaxText ran with (Pallas's ``BlockSizes`` by field; the
+    v6e runs' splash sizes ``sa_block_*`` carried over field for field)."""
 
     @property
     def chips(self) -> int:
@@ -196,22 +199,35 @@ HOST_OFFLOAD = (
     "--xla_latency_hiding_scheduler_rerun=2")
 V5E_2023_FLAGS = f"{DATA_PARALLEL_OVERLAP} {CF_FOR_ALL_GATHER}"
 
+# The flash kernel's blocks of each run, as MaxText tiled it: the v5e runs of 2023 called this
+# same Pallas kernel with 512 everywhere (MaxText/layers.py at 9bc243c9); the v6e recipes ran
+# splash attention, whose sa_block_* (the recipe's, else base.yml's 512) map field for field:
+# sa_block_q → block_q, sa_block_kv → block_k(_major), sa_block_q_dkv → block_q(_major)_dkv,
+# sa_block_kv_dkv → block_k(_major)_dkv, sa_block_q_dq → block_q_dq, sa_block_kv_dq → block_k(_major)_dq.
+_BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_q_dkv", "block_k_major_dkv",
+                 "block_k_dkv", "block_q_dq", "block_k_major_dq", "block_k_dq")
+FLASH_512 = dict.fromkeys(_BLOCK_FIELDS, 512)
+FLASH_2048 = dict.fromkeys(_BLOCK_FIELDS, 2048)
+"""Llama 3.1 8B's recipe: every sa_block_* 2048."""
+SPLASH_70B = FLASH_512 | {"block_q": 1024, "block_q_major_dkv": 2048, "block_q_dkv": 2048, "block_q_dq": 2048}
+"""Llama 2 70B's recipe: sa_block_q 1024, sa_block_q_dkv and sa_block_q_dq 2048, the rest 512."""
+
 RUNS = [
     Run("v5e-16b", "gps16", "v5e:16x16", 6, 2048, FULL, causal=False, convention="6N",
         published="120 TFLOP/s per chip, 61.10% MFU", tflops=120.0, mfu=0.6110,
         xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md (1x v5e-256), MaxText/configs/largest_job/16b.sh",
-        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+        attention_blocks=FLASH_512, choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v5e-32b", "gps32", "v5e:16x16", 4, 2048, FULL, causal=False, convention="6N",
         published="132 TFLOP/s per chip, 66.86% MFU", tflops=132.0, mfu=0.6686,
         xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/32b.sh",
-        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+        attention_blocks=FLASH_512, choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v5e-64b", "gps64", "v5e:16x16", 2, 2048, FULL, causal=False, convention="6N",
         published="118 TFLOP/s per chip, 59.90% MFU", tflops=118.0, mfu=0.5990,
         xla_flags=V5E_2023_FLAGS,
         source="MaxText 9bc243c9: README.md, MaxText/configs/largest_job/64b.sh",
-        choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
+        attention_blocks=FLASH_512, choices=[FULL, MINIMAL, SAVE_QKV, QKV_OFFLOADED]),
     Run("v6e-llama3.1-8b", "llama3.1-8b", "v6e:16x16", 4, 8192, OFFLOAD_QKVO, causal=True, convention="matmuls",
         published="4.546 s a step, 417.397 TFLOP/s, 7,207 tokens/s per chip, 45.46% MFU", step_seconds=4.546,
         xla_flags=" ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, CF_FOR_ALL_GATHER,
@@ -219,14 +235,14 @@ RUNS = [
         source="MaxText tpu-recipes-v0.1.4 (9f1820b4): benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192; "
                "log in AI-Hypercomputer/tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256",
         note="remat_policy custom: decoder_layer_input, query/key/value/out_proj offloaded",
-        choices=[OFFLOAD_QKVO, FULL, OFFLOAD_INPUT, INPUT_OFFLOADED_QKV_KEPT]),
+        attention_blocks=FLASH_2048, choices=[OFFLOAD_QKVO, FULL, OFFLOAD_INPUT, INPUT_OFFLOADED_QKV_KEPT]),
     Run("v6e-llama2-70b", "llama2-70b", "v6e:16x16", 2, 4096, QKV_OFFLOADED, causal=True, convention="matmuls",
         published="9.052 s a step, 402.274 TFLOP/s, 905 tokens/s per chip, 43.8% MFU", step_seconds=9.052,
         xla_flags=" ".join([DENSE_VMEM_LIMIT, CF_FOR_ALL_GATHER, SPARSECORE_ALL_REDUCE]),
         source="MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py llama2_70b_4096_sc; log in "
                "AI-Hypercomputer/tpu-recipes training/trillium/Llama2-70B-MaxText",
         note="ici_fsdp_transpose_parallelism 256: FSDP over every chip, as here",
-        choices=[QKV_OFFLOADED, FULL, MINIMAL, SAVE_QKV]),
+        attention_blocks=SPLASH_70B, choices=[QKV_OFFLOADED, FULL, MINIMAL, SAVE_QKV]),
 ]
 """MaxText's published runs that FSDP alone expresses (its v5p runs all split tensors over a
 ``tensor`` axis, which the built-in sharding here does not: left out), on two TPU
@@ -275,6 +291,8 @@ class Block(nn.Module):
     shape: Model
     causal: bool
     mesh: Any = None
+    blocks: tuple[tuple[str, int], ...] = ()
+    """The flash kernel's block sizes, by field (:attr:`Run.attention_blocks`)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -289,7 +307,8 @@ class Block(nn.Module):
                 for n in ("key", "value"))
         if s.kv_heads != s.heads:
             k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
-        context = checkpoint_name(_attention(q, k, v, flash=True, mesh=self.mesh, causal=self.causal), "context")
+        context = checkpoint_name(_attention(q, k, v, flash=True, mesh=self.mesh, causal=self.causal,
+                                                 blocks=dict(self.blocks)), "context")
         attention = checkpoint_name(nn.DenseGeneral(s.emb, axis=(-2, -1), name="out", **kw)(context), "out_proj")
         if not s.parallel:
             x = x + attention
@@ -309,9 +328,11 @@ class Decoder(TransformerWorkload):
     tensor_names = frozenset({"decoder_layer_input", *QKV, "context", "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1",
                               "mlpwo"})
 
-    def __init__(self, model: str | Model, batch: int, seq_len: int, causal: bool) -> None:
+    def __init__(self, model: str | Model, batch: int, seq_len: int, causal: bool,
+                 blocks: dict[str, int] | None = None) -> None:
         self.shape = MODELS[model] if isinstance(model, str) else model
         self.causal, self.name = causal, f"maxtext-{model if isinstance(model, str) else 'small'}"
+        self.blocks = tuple(sorted((blocks or {}).items()))
         s = self.shape
         super().__init__(TransformerConfig(
             kind="transformer", layers=s.layers, d_model=s.emb, heads=s.heads, d_ff=s.mlp, seq_len=seq_len,
@@ -322,7 +343,7 @@ class Decoder(TransformerWorkload):
         s = self.shape
         return {
             "embed": nn.Embed(s.vocab, s.emb, dtype=jnp.bfloat16, param_dtype=jnp.float32),
-            "block": Block(s, self.causal, self.mesh),
+            "block": Block(s, self.causal, self.mesh, self.blocks),
             "final_norm": nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=jnp.float32),
             "logits": nn.Dense(s.vocab, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32),
         }
@@ -348,10 +369,11 @@ class Decoder(TransformerWorkload):
         return loss_fn
 
 
-def workload(model: str, batch: int, seq_len: int, causal: bool = True) -> Decoder:
+def workload(model: str, batch: int, seq_len: int, causal: bool = True, blocks: dict[str, int] | None = None) -> Decoder:
     """The factory the studies name: ``model`` of :data:`MODELS` at a global ``batch`` of
-    ``seq_len`` tokens (the argument's name tells the search the tokens an example holds)."""
-    return Decoder(model, batch, seq_len, causal)
+    ``seq_len`` tokens (the argument's name tells the search the tokens an example holds), its
+    flash kernel tiled in ``blocks`` (:attr:`Run.attention_blocks`)."""
+    return Decoder(model, batch, seq_len, causal, blocks)
 
 
 GPU_SCALE = 4
@@ -398,7 +420,8 @@ def study_spec(run: Run, storage: str, trials: int, study: str) -> dict[str, Any
     return {
         "study": study, "storage": storage,
         "workload": {"factory": "published_configs:workload",
-                     "args": {"model": run.model, "batch": chips * batch, "seq_len": run.seq, "causal": run.causal}},
+                     "args": {"model": run.model, "batch": chips * batch, "seq_len": run.seq, "causal": run.causal,
+                              "blocks": run.attention_blocks}},
         "target": {"platform": "tpu", "topology": run.topology}, "mesh": {"fsdp": chips},
         "space": {"layout": "uniform", "choices": run.choices},
         "configuration": {"batch": micro, "global_batch": chips * batch,

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 11
+MEASUREMENT_SCHEMA = 12
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -44,7 +44,9 @@ compiler's collective matmuls take a scanned stack's layer that way) reads what 
 whole stack. 11: a collective run by an asynchronous call on another thread (a v6e's SparseCore
 all-reduce, ``call-start``) is priced, and that thread's computations are read apart; the fusions
 that start, carry and wait for an asynchronous collective on TPU move on HBM only what they
-compute (the collective's buffers are its ICI bytes, as an unfused collective's are)."""
+compute (the collective's buffers are its ICI bytes, as an unfused collective's are). 12: a Pallas
+TPU kernel's matmuls are priced as the chip's matrix unit spends them, padded to its tiles
+(``targets.mxu``: a 128-wide head at half rate on a v6e)."""
 
 Verdict = Literal["measured", "over_budget", "failed"]
 

@@ -185,9 +185,11 @@ def _estimate_line(m: RawMeasurement) -> str:
         f"from host memory, the link busy {format_seconds(e.host_seconds)}, overlapped with the compute between "
         f"each transfer's start and its done)" if e.host_bytes else ""
     )
+    padded = (f", {e.mxu_flops / 1e9:.1f} as the matrix units spend them, padded to their tiles"
+              if e.mxu_flops > e.flops else "")
     return (
         f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
-        f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP, "
+        f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP{padded}, "
         f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
         f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){host}{old}; nothing was run"
     )

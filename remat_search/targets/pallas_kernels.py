@@ -12,7 +12,8 @@ recomputed, ``dV``, ``dP``, ``dK``; ``flash_mha_bwd_dq``: the scores, ``dP``, ``
 
 So the body is read instead. The kernel function (the one with ``iteration_bounds``: the
 grid) runs once per grid point, its first arguments the point's indices. Each ``tpu.matmul``
-in it costs 2 × its result's elements × its contracting size, once per grid point whose
+in it costs 2 × its result's elements × its contracting size (as the chip's MXU spends
+them, padding included: :mod:`~remat_search.targets.mxu`), once per grid point whose
 ``scf.if`` conditions hold (a causal kernel's ``pl.when(below_or_on_diag(...))``) and once per
 iteration of each ``scf.for`` around it. Conditions and loop bounds are evaluated over the whole
 grid where they are integer arithmetic of the grid indices and constants; where they read
@@ -33,8 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from remat_search.targets.mxu import mxu_flops
+
 _BODY = re.compile(r'"custom_call_config"\s*:\s*\{\s*"body"\s*:\s*"([A-Za-z0-9+/=]+)"')
-_CONTRACTING = re.compile(r"dot_dimension_numbers<\[([\d, ]*)\]")
+_GROUPS = re.compile(r"\[([\d, ]*)\]")
+"""The dimension lists of a ``tpu.matmul``'s ``#tpu.dot_dimension_numbers<[...], [...], ...>``."""
 _PREFIX = "stable_mosaic."
 """What a serialized Mosaic module puts before each op's dialect (``stable_mosaic.tpu.matmul``)."""
 
@@ -55,16 +59,17 @@ _COMPARE: dict[int, Callable[[Any, Any], Any]] = {
 grid indices are never negative, so the unsigned ones compare as the signed."""
 
 
-def kernel_flops(attributes: str) -> float | None:
+def kernel_flops(attributes: str, mxu: int | None = None) -> float | None:
     """The matmul FLOPs of the Pallas TPU kernel whose ``custom-call`` attributes are
-    ``attributes``, or None where they carry no Mosaic body this module can read (another
-    kernel; a jaxlib without Mosaic's bindings)."""
+    ``attributes`` (as an MXU of side ``mxu`` spends them, padding included, where given:
+    :func:`~remat_search.targets.mxu.mxu_flops`), or None where they carry no Mosaic body this
+    module can read (another kernel; a jaxlib without Mosaic's bindings)."""
     body = _BODY.search(attributes)
-    return _body_flops(body[1]) if body else None
+    return _body_flops(body[1], mxu) if body else None
 
 
 @functools.lru_cache(maxsize=64)
-def _body_flops(encoded: str) -> float | None:
+def _body_flops(encoded: str, mxu: int | None) -> float | None:
     """FLOPs of one serialized Mosaic module (one kernel is called many times a program)."""
     try:  # Mosaic's dialect and MLIR's bindings, as jaxlib ships them (imported here: reading
         # a study's report needs no jax)
@@ -93,34 +98,34 @@ def _body_flops(encoded: str) -> float | None:
             for i, n in enumerate(grid)
         }
         try:
-            return _block_flops(block, values, 1, grid)
+            return _block_flops(block, values, 1, grid, mxu)
         except (KeyError, IndexError, TypeError, ValueError):  # a body shaped otherwise: its own estimate
             return None
 
 
-def _block_flops(block: Any, values: dict[Any, Any], weight: Weight, grid: list[int]) -> float:
+def _block_flops(block: Any, values: dict[Any, Any], weight: Weight, grid: list[int], mxu: int | None) -> float:
     """The matmul FLOPs of one block's operations over the grid, each run ``weight`` times a
     grid point; ``values`` holds what is known of the integers in scope."""
     flops = 0.0
     for op in block.operations:
         name = op.name.removeprefix(_PREFIX)
         if name == "tpu.matmul":
-            flops += _matmul_flops(op) * _runs(weight, grid)
+            flops += _matmul_flops(op, mxu) * _runs(weight, grid)
         elif name == "scf.if":
             taken = values.get(op.operands[0])
             then_weight = weight if taken is None else weight * np.asarray(taken, dtype=np.int64)
             else_weight = weight if taken is None else weight * (1 - np.asarray(taken, dtype=np.int64))
-            flops += _block_flops(op.regions[0].blocks[0], values, then_weight, grid)
+            flops += _block_flops(op.regions[0].blocks[0], values, then_weight, grid, mxu)
             if len(op.regions) > 1 and len(op.regions[1].blocks):
-                flops += _block_flops(op.regions[1].blocks[0], values, else_weight, grid)
+                flops += _block_flops(op.regions[1].blocks[0], values, else_weight, grid, mxu)
         elif name == "scf.for":
             lower, upper, step = (values.get(v) for v in list(op.operands)[:3])
             trips = 1 if any(v is None for v in (lower, upper, step)) else np.maximum(0, -(-(np.asarray(upper) - lower) // step))
-            flops += _block_flops(op.regions[0].blocks[0], values, weight * trips, grid)
+            flops += _block_flops(op.regions[0].blocks[0], values, weight * trips, grid, mxu)
         elif op.regions:
             for region in op.regions:
                 for inner in region.blocks:
-                    flops += _block_flops(inner, values, weight, grid)
+                    flops += _block_flops(inner, values, weight, grid, mxu)
         else:
             _evaluate(op, name, values)
     return flops
@@ -153,15 +158,21 @@ def _evaluate(op: Any, name: str, values: dict[Any, Any]) -> None:
         values[op.results[0]] = (np.asarray(result) != 0).astype(np.int64) if truth else np.asarray(result, np.int64)
 
 
-def _matmul_flops(op: Any) -> float:
-    """2 × the result's elements × the contracting size of the left operand."""
+def _matmul_flops(op: Any, mxu: int | None) -> float:
+    """2 × the result's elements × the contracting size of the left operand (padded to an MXU
+    of side ``mxu`` where given). ``dimension_numbers`` lists the left operand's contracting
+    dimensions first and its batch dimensions sixth; without them, the last dimension contracts."""
     from jax._src.lib.mlir import ir
 
     lhs = ir.ShapedType(op.operands[0].type).shape
-    out = ir.ShapedType(op.results[0].type).shape
-    found = _CONTRACTING.search(str(op.attributes["dimension_numbers"])) if "dimension_numbers" in op.attributes else None
-    contracting = [int(d) for d in found[1].split(",") if d.strip()] if found else [len(lhs) - 1]
-    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+    out = math.prod(ir.ShapedType(op.results[0].type).shape)
+    groups = _GROUPS.findall(str(op.attributes["dimension_numbers"])) if "dimension_numbers" in op.attributes else []
+    contracting, batched = ([[int(d) for d in g.split(",") if d.strip()] for g in (groups[0], groups[5])]
+                            if len(groups) >= 6 else ([len(lhs) - 1], []))
+    k = math.prod(lhs[d] for d in contracting if d < len(lhs))
+    batch = math.prod(lhs[d] for d in batched if d < len(lhs))
+    m = math.prod(lhs) // max(1, k * batch)
+    return mxu_flops(m, k, out / max(1, batch * m), mxu, batch)
 
 
 def _runs(weight: Weight, grid: list[int]) -> float:

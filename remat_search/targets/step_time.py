@@ -10,7 +10,9 @@ the chip would execute it, one scheduled instruction after another, and prices e
   roofline per instruction, summed, so that recomputing elementwise work costs bandwidth and
   recomputing a matmul costs FLOPs. FLOPs are those of the matmuls (``dot``, ``convolution``)
   inside, or of a kernel's: a Pallas TPU kernel's matmuls counted in its Mosaic body over its
-  grid (:mod:`~remat_search.targets.pallas_kernels`), a GPU library kernel's read off its call
+  grid (:mod:`~remat_search.targets.pallas_kernels`) and priced as the chip's matrix unit
+  spends them, each padded to its tiles (:mod:`~remat_search.targets.mxu`: a 128-wide head
+  runs at half rate on a v6e), a GPU library kernel's read off its call
   (:mod:`~remat_search.targets.gpu_kernels`);
 * a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute; also
   those the TPU compiler fused with a matmul, and those a v6e's SparseCore runs, called
@@ -29,7 +31,8 @@ the chip would execute it, one scheduled instruction after another, and prices e
   of a conditional's branches, the dearest.
 
 What it leaves out: the vector unit's own throughput (elementwise FLOPs are priced by their
-bytes alone), padding to the chip's tiles, overlap of on-chip copies and collectives with
+bytes alone), XLA's own matmuls' padding to the MXU's tiles (the compiler lays their
+dimensions out, folding heads into one, say: the HLO does not say how), overlap of on-chip copies and collectives with
 computation, per-instruction launch overheads, and the host's own work. It is a lower bound on compute and memory time
 and an upper bound on communication, deterministic, and the same for every plan of a study:
 good for ranking plans, not a promise of wall time.
@@ -83,6 +86,9 @@ class Chip(BaseModel):
     host_bytes_per_second: float | None = None
     """What the chip's link to its host's memory carries in one direction: the price of
     moving an offloaded tensor to pinned host memory or back. None: not priced."""
+    mxu: int | None = None
+    """The side of the chip's matrix unit, a square systolic array: matmuls are priced padded to
+    its tiles (:mod:`~remat_search.targets.mxu`). None: not padded."""
 
 
 TPU_HOST_BYTES_PER_SECOND = 1.5e10
@@ -92,16 +98,17 @@ works with, used for every generation. An assumption, stated where estimates are
 
 # Google Cloud's published per-chip figures (bf16 dense FLOP/s, HBM bandwidth, bidirectional
 # ICI bandwidth per chip halved): cloud.google.com/tpu/docs/v5e, /v5p, /v6e. The v4 page
-# gives no per-chip ICI bandwidth. The host link: TPU_HOST_BYTES_PER_SECOND.
+# gives no per-chip ICI bandwidth. The host link: TPU_HOST_BYTES_PER_SECOND. The MXU's side:
+# 128 up to v5p, 256 on v6e (:mod:`remat_search.targets.mxu`).
 CHIPS = {
     "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9,
-               host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+               host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
     "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9, ici_bytes_per_second=200e9,
-                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
     "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9,
-                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
     "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9,
-                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND),
+                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=256),
 }
 
 # NVIDIA's published per-GPU figures for the SXM parts (dense bf16 Tensor Core FLOP/s: the
@@ -131,11 +138,14 @@ class StepEstimate(BaseModel):
     seconds: float
     """The estimate: :attr:`compute_seconds` + :attr:`host_wait_seconds` + :attr:`collective_seconds`."""
     compute_seconds: float
-    """Sum over the executed instructions of max(FLOPs / peak, HBM bytes / bandwidth)."""
+    """Sum over the executed instructions of max(MXU FLOPs / peak, HBM bytes / bandwidth)."""
     collective_seconds: float
     """Collectives' bytes received per chip at the ICI bandwidth (0 where the chip has no figure)."""
     flops: float
     hbm_bytes: float
+    mxu_flops: float = 0.0
+    """:attr:`flops` as the chip's matrix unit spends them, its tiles' padding included
+    (:attr:`Chip.mxu`); the same where the chip pads nothing."""
     collective_bytes: float
     instructions: int
     """Instructions priced (each loop iteration counted)."""
@@ -162,7 +172,7 @@ def estimate_step(hlo: str, chip: Chip, cost: dict[str, float] | None = None) ->
     collective = total.collective_bytes / chip.ici_bytes_per_second if chip.ici_bytes_per_second else 0.0
     return StepEstimate(
         seconds=total.compute_seconds + total.host_wait_seconds + collective, compute_seconds=total.compute_seconds,
-        collective_seconds=collective, flops=total.flops, hbm_bytes=total.hbm_bytes,
+        collective_seconds=collective, flops=total.flops, mxu_flops=total.mxu_flops, hbm_bytes=total.hbm_bytes,
         collective_bytes=total.collective_bytes, instructions=total.instructions,
         unknown_trip_counts=total.unknown_trips, host_bytes=total.host_bytes,
         host_seconds=_link_seconds(total.host_bytes, chip), host_wait_seconds=total.host_wait_seconds,
@@ -211,12 +221,13 @@ class _Cost:
     """What a run of instructions adds up to, at one chip."""
 
     flops: float = 0.0
+    mxu_flops: float = 0.0
     hbm_bytes: float = 0.0
     collective_bytes: float = 0.0
     instructions: int = 0
     unknown_trips: int = 0
     compute_seconds: float = 0.0
-    """Each priced instruction's max(FLOPs / peak, HBM bytes / bandwidth), summed."""
+    """Each priced instruction's max(MXU FLOPs / peak, HBM bytes / bandwidth), summed."""
     host_bytes: float = 0.0
     host_wait_seconds: float = 0.0
     """Time computation waits for transfers to or from host memory."""
@@ -226,6 +237,7 @@ class _Cost:
 
     def add(self, other: _Cost, times: int = 1) -> None:
         self.flops += other.flops * times
+        self.mxu_flops += other.mxu_flops * times
         self.hbm_bytes += other.hbm_bytes * times
         self.collective_bytes += other.collective_bytes * times
         for channel, nbytes in other.channels.items():
@@ -307,11 +319,13 @@ def _instruction_cost(
         return _Cost(instructions=1, channels=_collectives(computation, [ins]))
     moved = _moved(module, computation, ins)
     flops = _flops(module, computation, ins)
+    held = _flops(module, computation, ins, chip.mxu) if chip.mxu else flops
     fused = called.get("calls", "") if opcode == "fusion" else ""
     channels = _collectives(module.computations[fused], module.computations[fused].instructions) if (
         fused in module.computations) else {}
-    seconds = max(flops / chip.bf16_flops, moved / chip.hbm_bytes_per_second)
-    return _Cost(flops=flops, hbm_bytes=moved, instructions=1, compute_seconds=seconds, channels=channels)
+    seconds = max(held / chip.bf16_flops, moved / chip.hbm_bytes_per_second)
+    return _Cost(flops=flops, mxu_flops=held, hbm_bytes=moved, instructions=1, compute_seconds=seconds,
+                 channels=channels)
 
 
 def _as_run(ins: Instruction) -> Instruction:
@@ -475,12 +489,12 @@ def _collectives(computation: Computation, instructions: list[Instruction]) -> d
     return found
 
 
-def _flops(module: Module, computation: Computation, ins: Instruction) -> float:
+def _flops(module: Module, computation: Computation, ins: Instruction, mxu: int | None = None) -> float:
     """The matmul FLOPs of ``ins``: its own, those inside the fusion it is, or a kernel's: a
-    Pallas TPU kernel's counted in its body (:mod:`pallas_kernels`), else its own estimate, else
-    a GPU library kernel's (:mod:`gpu_kernels`)."""
+    Pallas TPU kernel's counted in its body (:mod:`pallas_kernels`; padded to an MXU of side
+    ``mxu`` where given), else its own estimate, else a GPU library kernel's (:mod:`gpu_kernels`)."""
     if ins.opcode == "custom-call":
-        counted = pallas_kernels.kernel_flops(ins.attributes)
+        counted = pallas_kernels.kernel_flops(ins.attributes, mxu)
         if counted:
             return counted
         estimate = _COST_ESTIMATE.search(ins.attributes)
@@ -491,7 +505,7 @@ def _flops(module: Module, computation: Computation, ins: Instruction) -> float:
     if ins.opcode != "fusion" or called not in module.computations:
         return 0.0
     inner = module.computations[called]
-    return sum(_flops(module, inner, sub) for sub in inner.instructions)
+    return sum(_flops(module, inner, sub, mxu) for sub in inner.instructions)
 
 
 def _matmul_flops(computation: Computation, ins: Instruction) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -86,10 +86,14 @@ def _split_batch(x: jax.Array, mesh: Any) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch_axes)))
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any, causal: bool = True) -> jax.Array:
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any, causal: bool = True,
+    blocks: Mapping[str, int] | None = None,
+) -> jax.Array:
     """Multi-head attention of ``[batch, seq, heads, head_dim]`` queries, keys and values
     (see :attr:`TransformerConfig.attention`), causal unless said (MaxText's v5e runs of 2023
-    computed every score)."""
+    computed every score). The Pallas TPU kernel tiles the sequence in :data:`FLASH_BLOCK`
+    tokens, or in ``blocks`` (its ``BlockSizes`` by field, those named) where given."""
     head_dim = q.shape[-1]
     if not flash:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
@@ -104,12 +108,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: A
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
     from jax.sharding import PartitionSpec as P
 
-    block = FLASH_BLOCK
-    sizes = pallas.BlockSizes(
-        block_q=block, block_k_major=block, block_k=block, block_b=1,
-        block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
-        block_k_major_dq=block, block_k_dq=block, block_q_dq=block,
-    )
+    fields = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_k_major_dkv", "block_k_dkv",
+              "block_q_dkv", "block_k_major_dq", "block_k_dq", "block_q_dq")
+    sizes = pallas.BlockSizes(block_b=1, **{f: FLASH_BLOCK for f in fields} | dict(blocks or {}))
 
     def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:  # [b, h, s, d] on one shard
         return pallas.flash_attention(q, k, v, causal=causal, sm_scale=head_dim**-0.5, block_sizes=sizes)

@@ -120,3 +120,20 @@ def test_a_loop_counts_each_iteration_and_a_condition_on_the_grid_its_points() -
 def test_a_kernel_whose_body_cannot_be_read_keeps_its_own_estimate() -> None:
     assert kernel_flops('backend_config={"custom_call_config":{"body":"bm90IG1saXI="}}') is None  # "not mlir"
     assert kernel_flops('custom_call_target="__cublas$gemm"') is None
+
+
+def test_a_kernels_matmuls_are_priced_as_the_chips_matrix_unit_spends_them(compiled) -> None:
+    hlo, kernels = compiled[False]
+    lines = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(lines) == 3
+    for line in lines:
+        # 128-token blocks of 128-wide heads: whole tiles of a v5e's 128-wide MXU; on a v6e's
+        # 256-wide one, both the contraction and the held operand's width fill half a tile.
+        assert kernel_flops(line, 128) == kernel_flops(line)
+        assert kernel_flops(line, 256) == 4 * kernel_flops(line)
+    counted = sum(flops or 0.0 for flops in kernels.values())
+    v5e, v6e = (estimate_step(hlo, CHIPS[chip]) for chip in ("v5e", "v6e"))
+    assert v5e.mxu_flops == v5e.flops
+    assert v6e.flops == v5e.flops
+    assert v6e.mxu_flops == v6e.flops + 3 * counted
+    assert v6e.compute_seconds >= v6e.mxu_flops / CHIPS["v6e"].bf16_flops

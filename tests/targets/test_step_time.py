@@ -357,6 +357,11 @@ def test_a_scanned_stack_is_counted_once_per_layer(compiled: dict[str, Measureme
 def test_show_says_which_model_estimated_a_time(compiled: dict[str, Measurement]) -> None:
     shown = describe_trial(TrialResult(number=0, status="measured", measurement=compiled["none"]))
     assert "by the per-instruction model" in shown and "the whole-program roofline says" in shown
+    assert "padded to their tiles" not in shown  # nothing padded: not said
+    estimate = compiled["none"].estimate
+    padded = compiled["none"].model_copy(update={"estimate": estimate.model_copy(update={"mxu_flops": 2 * estimate.flops})})
+    shown = describe_trial(TrialResult(number=0, status="measured", measurement=padded))
+    assert f"{2 * estimate.flops / 1e9:.1f} as the matrix units spend them, padded to their tiles" in shown
     older = compiled["none"].model_copy(update={"estimate": None})  # as measured before this model
     shown = describe_trial(TrialResult(number=1, status="measured", measurement=older))
     assert "by the whole-program roofline" in shown and "per-instruction" not in shown
