@@ -23,7 +23,8 @@ same TPU slice, compiled ahead of time:
   presets are compiled first; the answer is the highest estimated throughput that fits, set
   against the published configuration's own estimate: the same model on both sides, so the
   ratio is like for like. The search compiles with libtpu's default flags (MaxText's slow the
-  v6e compiles several times over); a second study of each run (:func:`flagged`) compiles the run's
+  v6e compiles several times over), but for the scoped VMEM limit the v6e runs' attention blocks
+  need (:attr:`Run.search_flags`); a second study of each run (:func:`flagged`) compiles the run's
   choices at the published configuration and the search's answer with MaxText's flags.
 
 MaxText's flags (:attr:`Run.xla_flags`, set as ``LIBTPU_INIT_ARGS`` for the study's workers)
@@ -135,6 +136,9 @@ class Run:
     """Published tokens/s per chip, where that is the figure."""
     xla_flags: str = ""
     """The ``LIBTPU_INIT_ARGS`` MaxText ran it with: its studies compile with them."""
+    search_flags: str = ""
+    """What of :attr:`xla_flags` the search compiles with too: what its attention blocks need
+    to compile at all (libtpu's defaults otherwise)."""
     source: str = ""
     note: str = ""
     choices: list[Any] = field(default_factory=list)
@@ -232,6 +236,7 @@ RUNS = [
         published="4.546 s a step, 417.397 TFLOP/s, 7,207 tokens/s per chip, 45.46% MFU", step_seconds=4.546,
         xla_flags=" ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, CF_FOR_ALL_GATHER,
                              SPARSECORE_ALL_REDUCE, HOST_OFFLOAD]),
+        search_flags=DENSE_VMEM_LIMIT,
         source="MaxText tpu-recipes-v0.1.4 (9f1820b4): benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192; "
                "log in AI-Hypercomputer/tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256",
         note="remat_policy custom: decoder_layer_input, query/key/value/out_proj offloaded",
@@ -239,6 +244,7 @@ RUNS = [
     Run("v6e-llama2-70b", "llama2-70b", "v6e:16x16", 2, 4096, QKV_OFFLOADED, causal=True, convention="matmuls",
         published="9.052 s a step, 402.274 TFLOP/s, 905 tokens/s per chip, 43.8% MFU", step_seconds=9.052,
         xla_flags=" ".join([DENSE_VMEM_LIMIT, CF_FOR_ALL_GATHER, SPARSECORE_ALL_REDUCE]),
+        search_flags=DENSE_VMEM_LIMIT,
         source="MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py llama2_70b_4096_sc; log in "
                "AI-Hypercomputer/tpu-recipes training/trillium/Llama2-70B-MaxText",
         note="ici_fsdp_transpose_parallelism 256: FSDP over every chip, as here",
@@ -438,16 +444,17 @@ def study_names(run: Run) -> tuple[str, str]:
 
 def search(run: Run, storage: str, trials: int) -> StudyReport:
     """``run``'s study (``published-<name>``): the configuration space searched, compiled with
-    libtpu's default flags."""
-    return remat_search.run(parse_spec(study_spec(run, storage, trials, study_names(run)[0])))
+    libtpu's default flags (and the run's :attr:`Run.search_flags`)."""
+    with libtpu_flags(run.search_flags):
+        return remat_search.run(parse_spec(study_spec(run, storage, trials, study_names(run)[0])))
 
 
 @contextmanager
-def maxtext_flags(run: Run) -> Iterator[None]:
-    """Within: the workers a study starts compile with the XLA flags MaxText ran ``run`` with
-    (``LIBTPU_INIT_ARGS``, which the study records with its device)."""
+def libtpu_flags(flags: str) -> Iterator[None]:
+    """Within: the workers a study starts compile with the XLA ``flags`` (``LIBTPU_INIT_ARGS``,
+    which the study records with its device); none given, with libtpu's defaults."""
     before = os.environ.get("LIBTPU_INIT_ARGS")
-    os.environ["LIBTPU_INIT_ARGS"] = run.xla_flags
+    os.environ["LIBTPU_INIT_ARGS"] = flags
     try:
         yield
     finally:
@@ -463,7 +470,7 @@ def flagged(run: Run, storage: str, searched: StudyReport) -> StudyReport:
     first) and the search's answer, where that is another: the fidelity figure, and the gain
     where the compiler schedules as MaxText's did."""
     searched_name, name = study_names(run)
-    with maxtext_flags(run):
+    with libtpu_flags(run.xla_flags):
         report = remat_search.run(parse_spec(study_spec(run, storage, len(run.choices), name)))
         found = answer(searched)
         if found is None:
@@ -624,7 +631,8 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         f"compiles its candidates ahead of time for the run's slice (a chip's share of the step), and the step-time "
         f"model estimates each (host transfers at {TPU_HOST_BYTES_PER_SECOND / 1e9:.0f} GB/s a chip, overlapped with "
         f"the compute between a transfer's start and its done; collectives not overlapped). The search compiles "
-        "with libtpu's default flags; the fidelity figures, and the last column of the quality table, come from a "
+        "with libtpu's default flags (the v6e runs' with one of MaxText's, "
+        f"`{DENSE_VMEM_LIMIT}`: their attention blocks do not compile in less VMEM); the fidelity figures, and the last column of the quality table, come from a "
         "second study of each run (`published-<run>-maxtext-flags`: the published configuration and the search's "
         "answer) compiled with the XLA flags MaxText ran the run with (`LIBTPU_INIT_ARGS`, under Sources).\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
@@ -651,7 +659,8 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         *candidate_rows(results), "",
         "## Sources\n",
         *(f"- **{run.name}**: {run.source}.{' ' + run.note + '.' if run.note else ''} Choices: "
-          f"{', '.join(label(c) for c in run.choices)}. `LIBTPU_INIT_ARGS`: `{run.xla_flags}`."
+          f"{', '.join(label(c) for c in run.choices)}. Flash attention's blocks (Pallas's `BlockSizes`): "
+          f"{', '.join(f'{k} {v}' for k, v in run.attention_blocks.items())}. `LIBTPU_INIT_ARGS`: `{run.xla_flags}`."
           for run, _ in results),
         "",
         "![each study's candidates](published_configs.png)\n",

@@ -4,6 +4,7 @@ padded to whole tiles of the unit's side."""
 from __future__ import annotations
 
 from remat_search.targets.mxu import mxu_flops
+from remat_search.targets.step_time import CHIPS
 
 
 def test_a_matmul_of_whole_tiles_costs_its_flops() -> None:
@@ -23,3 +24,12 @@ def test_the_operand_held_is_the_one_that_pads_least() -> None:
     assert mxu_flops(8, 128, 64, 128) == 2 * 8 * 128 * 128
     assert mxu_flops(64, 128, 8, 128) == 2 * 8 * 128 * 128
     assert mxu_flops(128, 128, 128, 256, batch=3) == 3 * 4 * (2 * 128**3)  # both the contraction and the width
+
+
+def test_each_chips_mxu_is_the_side_jaxs_own_table_gives() -> None:
+    from jax._src.pallas.mosaic.tpu_info import ChipVersion  # Pallas's table of TPU hardware
+    from jax.experimental.pallas import tpu as pltpu
+
+    for name in ("v4", "v5e", "v5p", "v6e"):
+        cores = 2 if name in ("v4", "v5p") else 1  # megacore chips: two TensorCores a device
+        assert pltpu.get_tpu_info_for_chip(ChipVersion(name), cores).mxu_column_size == CHIPS[name].mxu, name
