@@ -65,7 +65,7 @@ from remat_search.spec.loading import parse_spec
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND
 from remat_search.units import format_bytes
-from remat_search.workloads.transformer import TransformerWorkload, _attention, _split_batch
+from remat_search.workloads.transformer import FLASH_BLOCK_FIELDS, TransformerWorkload, _attention, _split_batch
 
 HERE = Path(__file__).resolve().parent
 QKV = ["query_proj", "key_proj", "value_proj"]
@@ -208,10 +208,8 @@ V5E_2023_FLAGS = f"{DATA_PARALLEL_OVERLAP} {CF_FOR_ALL_GATHER}"
 # splash attention, whose sa_block_* (the recipe's, else base.yml's 512) map field for field:
 # sa_block_q → block_q, sa_block_kv → block_k(_major), sa_block_q_dkv → block_q(_major)_dkv,
 # sa_block_kv_dkv → block_k(_major)_dkv, sa_block_q_dq → block_q_dq, sa_block_kv_dq → block_k(_major)_dq.
-_BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_q_dkv", "block_k_major_dkv",
-                 "block_k_dkv", "block_q_dq", "block_k_major_dq", "block_k_dq")
-FLASH_512 = dict.fromkeys(_BLOCK_FIELDS, 512)
-FLASH_2048 = dict.fromkeys(_BLOCK_FIELDS, 2048)
+FLASH_512 = dict.fromkeys(FLASH_BLOCK_FIELDS, 512)
+FLASH_2048 = dict.fromkeys(FLASH_BLOCK_FIELDS, 2048)
 """Llama 3.1 8B's recipe: every sa_block_* 2048."""
 SPLASH_70B = FLASH_512 | {"block_q": 1024, "block_q_major_dkv": 2048, "block_q_dkv": 2048, "block_q_dq": 2048}
 """Llama 2 70B's recipe: sa_block_q 1024, sa_block_q_dkv and sa_block_q_dq 2048, the rest 512."""

@@ -86,6 +86,12 @@ def _split_batch(x: jax.Array, mesh: Any) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch_axes)))
 
 
+FLASH_BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_q_dkv", "block_k_major_dkv",
+                      "block_k_dkv", "block_q_dq", "block_k_major_dq", "block_k_dq")
+"""The sequence blocks of Pallas's flash attention kernel (its ``BlockSizes`` but the batch's):
+what ``_attention``'s ``blocks`` may name."""
+
+
 def _attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, flash: bool, mesh: Any, causal: bool = True,
     blocks: Mapping[str, int] | None = None,
@@ -108,9 +114,7 @@ def _attention(
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
     from jax.sharding import PartitionSpec as P
 
-    fields = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_k_major_dkv", "block_k_dkv",
-              "block_q_dkv", "block_k_major_dq", "block_k_dq", "block_q_dq")
-    sizes = pallas.BlockSizes(block_b=1, **{f: FLASH_BLOCK for f in fields} | dict(blocks or {}))
+    sizes = pallas.BlockSizes(block_b=1, **dict.fromkeys(FLASH_BLOCK_FIELDS, FLASH_BLOCK) | dict(blocks or {}))
 
     def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:  # [b, h, s, d] on one shard
         return pallas.flash_attention(q, k, v, causal=causal, sm_scale=head_dim**-0.5, block_sizes=sizes)
