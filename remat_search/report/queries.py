@@ -85,10 +85,11 @@ def budget_bytes(budget: object, study: StoredStudy, *, name: str = "budget") ->
     if isinstance(asked, Share):
         peak = study.no_remat_peak()
         if peak is None:
-            raise SpecError(
-                f"{name}: {asked} is a share of no remat's compiled peak, and study {study.name!r} has no "
-                "compiled trial of the uniform no-remat plan; give bytes such as 14GiB"
-            )
+            missing = ("searches configurations and stores no compiled peak of the uniform no-remat plan at its own "
+                       "batch and mesh (a search stores it where its budget is a share)" if study.searches_configurations
+                       else "has no compiled trial of the uniform no-remat plan")
+            raise SpecError(f"{name}: {asked} is a share of no remat's compiled peak, and study {study.name!r} "
+                            f"{missing}; give bytes such as 14GiB")
         return asked.of(peak)
     if asked == DEVICE:
         limit = study.device.get("memory_limit")

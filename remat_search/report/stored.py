@@ -52,7 +52,7 @@ from remat_search.report.results import (
     settlement,
 )
 from remat_search.plans.plan import RematPlan
-from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, PLAN_ATTR
+from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SPEC_ATTR
 from remat_search.store.reading import Reader, read_only
 from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
@@ -94,6 +94,13 @@ class StoredStudy:
         self.confirmed = confirmations(attrs)
         """Confirmed times by trial number."""
 
+    @property
+    def searches_configurations(self) -> bool:
+        """Whether the study searches batch, accumulation and mesh with the plan
+        (``spec.configuration``): its trials' plans each carry a configuration."""
+        searched = self.attrs.get(SPEC_ATTR)
+        return isinstance(searched, dict) and bool(searched.get("configuration"))
+
     def settlement(self) -> Settlement:
         """What the study's latest confirmation settled (empty if none)."""
         return settlement(self.attrs)
@@ -128,9 +135,14 @@ class StoredStudy:
         return list(self._load(sorted(r[0] for r in rows)).values())
 
     def no_remat_peak(self) -> int | None:
-        """The compiled peak of the study's first compiled trial of the uniform no-remat plan
-        (every layer ``none``), which a budget such as ``70%`` is a share of; None where the
-        study has none (its space has no ``none``, or it was not compiled yet)."""
+        """The compiled peak of the uniform no-remat plan (every layer ``none``) at the study's
+        own batch and mesh, which a budget such as ``70%`` is a share of: as the search stored
+        it where it resolved a share budget, else that of the study's first compiled trial of
+        the plan; None where the study has neither (its space has no ``none``, it was not
+        compiled yet, or it searches configurations and its budget was given in bytes)."""
+        stored = self.attrs.get(NO_REMAT_PEAK_ATTR)
+        if isinstance(stored, int) and not isinstance(stored, bool):
+            return stored
         layers = self.attrs.get(LAYERS_ATTR)
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
             return None

@@ -26,7 +26,7 @@ from remat_search.search.space import Space
 from remat_search.spec.budget import Share, read_budget
 from remat_search.spec.loading import describe_validation_error
 from remat_search.spec.models import SpaceConfig
-from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR
+from remat_search.store.attributes import LAYERS_ATTR
 from remat_search.units import format_bytes, format_seconds
 
 
@@ -100,8 +100,7 @@ def advise(study: StoredStudy, budget: int) -> Advice:
     of two choices compiled and one plan timed), or when no plan is predicted to fit and no
     measured one fits.
     """
-    searched = study.attrs.get(SPEC_ATTR)
-    if isinstance(searched, dict) and searched.get("configuration"):
+    if study.searches_configurations:
         raise SpecError(
             f"study: {study.name!r} searches configurations, which the planner's cost model does not "
             "price yet (it prices plans at one batch and mesh); `best --budget` answers from what it measured"

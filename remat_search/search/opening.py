@@ -26,7 +26,7 @@ from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
 from remat_search.report.stored import open_study
 from remat_search.search.configurations import check_workload, configurations, sequence_of
-from remat_search.search.runners import resolve_budget, share_bytes
+from remat_search.search.runners import no_remat_peak, resolve_budget
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
 from remat_search.search.study import (
@@ -44,7 +44,7 @@ from remat_search.spec.models import SearchSpec
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.store import cache
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
-from remat_search.store.attributes import LAYERS_ATTR, QUEUED_ATTR, SPEC_ATTR
+from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR
 from remat_search.store.storage import check_storage, open_storage, translate_errors
 from remat_search.targets.platform import offloads_to_host
 from remat_search.workloads.base import build_workload
@@ -153,9 +153,10 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -
             f"spec.space.choices: {offload} offload to host memory, which needs a GPU or TPU; "
             "this machine compiles for cpu"
         )
-    asked = spec.budget
+    asked, peak = spec.budget, None
     if isinstance(asked, Share):  # before the study is tied to its budget
-        asked = share_bytes(asked, spec, runner, space.layers)
+        peak = no_remat_peak(asked, spec, runner, space.layers)
+        asked = asked.of(peak)
     budget = resolve_budget(asked, device)
     if spec.configuration is not None:
         space = space.with_configurations(configurations(
@@ -168,6 +169,8 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -
         cache.create_table(storage.engine)
         study, _ = _load(spec, storage)
         _tie(spec, study, space, device, budget)
+        if peak is not None:  # what a query's share is taken of (report.queries.budget_bytes)
+            study.set_user_attr(NO_REMAT_PEAK_ATTR, peak)
         recover(study, storage, n_params=space.n_params)
     return Opened(study, storage, budget, space)
 

@@ -66,10 +66,10 @@ def resolve_budget(budget: int | None, device: DeviceInfo) -> int:
     return budget
 
 
-def share_bytes(share: Share, spec: SearchSpec, runner: Runner, layers: int) -> int:
-    """The bytes ``share`` (the spec's budget, ``70%``) is of the compiled peak of the uniform
-    no-remat plan over ``layers`` layers, compiled by ``runner`` and never run (a budget of
-    one byte: every plan is over it)."""
+def no_remat_peak(share: Share, spec: SearchSpec, runner: Runner, layers: int) -> int:
+    """The compiled peak of the uniform no-remat plan over ``layers`` layers at the spec's own
+    batch and mesh, which ``share`` (the spec's budget, ``70%``) is a share of: compiled by
+    ``runner`` and never run (a budget of one byte: every plan is over it)."""
     plan = RematPlan.uniform("none", layers)
     m = runner.measure(plan, budget=1, timing=spec.timing, gradient_tolerance=spec.gradient_tolerance)
     if m.peak_bytes is None:
@@ -77,4 +77,4 @@ def share_bytes(share: Share, spec: SearchSpec, runner: Runner, layers: int) -> 
             f"spec.budget: {share} is a share of no remat's compiled peak, and the no-remat plan "
             f"({plan.summary()}) did not compile: {m.error or m.status}; give the budget in bytes"
         )
-    return share.of(m.peak_bytes)
+    return m.peak_bytes

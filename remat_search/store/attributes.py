@@ -34,6 +34,10 @@ QUEUED_ATTR = "queued_params"
 keeps only in a private system attribute, before its parameters are suggested."""
 # Study user attributes.
 LAYERS_ATTR = "layers"
+NO_REMAT_PEAK_ATTR = "no_remat_peak"
+"""The compiled peak of the uniform no-remat plan at the study's own batch and mesh, where a
+search resolved a share budget (``70%``) against it: what a query's share is taken of, so that
+both take it of the same bytes (a study of configurations has no trial of that plan)."""
 SPEC_ATTR = "spec"
 """The spec a study was last submitted or searched with, without its storage URL: what a
 worker needs to measure it (``search.study.spec_of_submitted``)."""

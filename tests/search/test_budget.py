@@ -100,6 +100,30 @@ def test_queries_take_a_share_of_the_studys_no_remat_peak(shared, cli) -> None: 
     assert remat_search.best_plan("tiny", "80%", storage).plan == RematPlan.uniform("full", len(none.plan.layers))
 
 
+def test_a_query_share_of_a_study_of_configurations_is_of_the_peak_its_spec_share_was_of(
+    tmp_path: Path, storage_url: str, cli  # type: ignore[no-untyped-def]
+) -> None:
+    """Every trial of a study of configurations carries one, so none is the no-remat plan at the
+    study's own batch, whose peak the spec's share was taken of: the search stores that peak,
+    and a query's share is taken of it, the same bytes."""
+    path = write_spec(tmp_path / "spec.yaml", spec_dict(
+        storage_url, budget="80%", space=UNIFORM, configuration={"batch": [2, 4], "global_batch": 8},
+        trials=3, confirm={"top": 0},
+    ))
+    result = cli("run", str(path))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    with open_study("tiny", storage_url) as stored:
+        assert not stored.with_plan(RematPlan.uniform("none", stored.attrs["layers"]).to_json())
+        peak, budget = stored.attrs["no_remat_peak"], stored.budget
+        preset = next(t for t in stored.trials() if t.plan.is_uniform and t.labels[0] == "none")
+    assert budget == math.floor(0.8 * peak)
+    assert preset.plan.configuration.batch == 2 and preset.peak_bytes < peak  # not the share's: a micro-batch of 2, not the workload's 4
+    relative = cli("best", "--study", "tiny", "--budget", "80%", "--storage", storage_url, "--json")
+    absolute = cli("best", "--study", "tiny", "--budget", size_argument(budget), "--storage", storage_url, "--json")
+    assert relative.exit_code == absolute.exit_code == 0, relative.stderr + absolute.stderr
+    assert relative.stdout == absolute.stdout and RematPlan.from_json(relative.stdout).configuration is not None
+
+
 def test_a_query_share_needs_the_no_remat_trial_and_device_a_stored_limit(tmp_path: Path, storage_url: str, cli) -> None:  # type: ignore[no-untyped-def]
     path = write_spec(tmp_path / "spec.yaml", spec_dict(
         storage_url, space={"layout": "uniform", "choices": ["full", "dots"]}, trials=2, confirm={"top": 0},

@@ -186,6 +186,11 @@ def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_ur
     assert {t.throughput for t in report.timed()} <= drawn  # each plan at its tokens/s, not its step time
     planned = cli("plan", "--study", "tiny", "--budget", "1GiB", "--storage", storage_url)
     assert planned.exit_code == 2 and "searches configurations" in planned.stderr
+    shared = cli("best", "--study", "tiny", "--budget", "70%", "--storage", storage_url)
+    assert shared.exit_code == 2 and shared.stderr == (
+        "error: --budget: 70% is a share of no remat's compiled peak, and study 'tiny' searches configurations and "
+        "stores no compiled peak of the uniform no-remat plan at its own batch and mesh (a search stores it where its "
+        "budget is a share); give bytes such as 14GiB\n")
 
     again = remat_search.run(parse_spec({**spec, "trials": 6, "confirm": {"top": 0}}))
     assert len(again.trials) == 6 and [t.plan for t in again.trials[:5]] == [t.plan for t in report.trials]
