@@ -60,7 +60,9 @@ def serve(
 
         if target_config == "local" and not jax.config.jax_platforms and _cpu_only_host():
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
-        if compilation_cache:  # JAX's persistent cache: a plan compiled before loads in a moment
+        # JAX's persistent cache: a plan compiled before loads in a moment. Not for a TPU topology:
+        # libtpu writes its entries there but cannot read them back without a TPU client.
+        if compilation_cache and target_config == "local":
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
@@ -160,12 +162,10 @@ def _cpu_only_host() -> bool:
     look for TPUs, and libtpu prints TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings."""
     import importlib.util
 
-    try:
-        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
-    except ImportError:  # moved in another JAX: let JAX look for itself
-        return False
+    from remat_search.targets.tpu import tpu_chips_attached
+
     plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
-    return not plugins and num_available_tpu_chips_and_device_id()[0] == 0
+    return not plugins and tpu_chips_attached() == 0
 
 
 def _failure(e: BaseException, *, line: bool = True) -> str:

@@ -5,6 +5,8 @@ nothing is allocated or executed, and a step's time is estimated
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 from remat_search.errors import RunError, SpecError
@@ -61,11 +63,30 @@ def _topology_devices(topology: str) -> list[Any]:
         ) from None
     from jax.experimental import topologies
 
+    if tpu_chips_attached() == 0:
+        # libtpu, loaded where no TPU is, asks the cloud's metadata for one and warns in five
+        # lines (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES); told it is one host of the
+        # topology's kind, it compiles the same programs (the same optimized HLO on v4, v5e,
+        # v5p and v6e) and says nothing.
+        generation, dims = topology.split(":", 1)
+        chips = math.prod(int(d) for d in dims.split("x") if d.isdigit())
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{generation}-{chips}")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu says what is wrong with the name
         first = str(e).strip().splitlines()[0]
         raise SpecError(f"spec.target.topology: libtpu does not know {topology!r} ({first})") from None
+
+
+def tpu_chips_attached() -> int | None:
+    """How many TPU chips this host has, by JAX's own PCI check (None where that check moved
+    in another JAX): none, and libtpu only compiles here."""
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+    except ImportError:
+        return None
+    return num_available_tpu_chips_and_device_id()[0]
 
 
 def probe_hbm(mesh: Any) -> int:

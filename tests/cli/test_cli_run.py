@@ -44,6 +44,26 @@ def test_a_cpu_search_prints_no_libtpu_warnings(tiny_run: str) -> None:
         assert noise not in tiny_run, tiny_run
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="TPU targets need libtpu")
+def test_a_tpu_target_search_prints_no_libtpu_warnings_and_keeps_no_compilation_cache(tmp_path: Path) -> None:
+    """libtpu, asked for a topology on a host without TPUs, warned of the host it could not find;
+    and it wrote JAX's persistent cache entries that it could not read back ("PjRtCompiler must
+    be constructed with a Client"): a TPU target's worker keeps no such cache."""
+    cache = tmp_path / "jax-cache"
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(
+        f"sqlite:///{tmp_path / 'studies.db'}", space={"layout": "uniform", "choices": ["full"]}, trials=1,
+        target={"platform": "tpu", "topology": "v5e:2x2"}, compilation_cache=str(cache),
+    ))
+    for _ in range(2):  # the second would have read the first's entries
+        search = run_process("run", str(spec))
+        log = search.communicate(timeout=300)[0]
+        assert search.returncode == 0, log
+        for noise in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "INVALID_ARGUMENT", "libtpu", "compilation cache"):
+            assert noise not in log, log
+        (tmp_path / "studies.db").unlink()
+    assert not cache.exists()
+
+
 def test_ctrl_c_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path, storage_url: str) -> None:
     """Ctrl-C in a terminal signals the whole process group: the search and its worker."""
     started = tmp_path / "hanging"
