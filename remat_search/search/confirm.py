@@ -261,16 +261,15 @@ def confirm_study(
     with translate_errors(opened.url):
         spec = spec_of_study(study, opened.url)
     asked = spec.budget
-    if budget is not None:
-        with open_study(study_name, opened.url) as stored:
+    with open_study(study_name, opened.url) as stored:
+        if stored.device.get("executes") is False:  # told before a worker loads the compiler
+            raise _compile_only(study_name, stored.device.get("target"))
+        if budget is not None:
             asked = budget_bytes(budget, stored, name="--budget")
     with runner_for(spec) as runner:
         device = runner.describe()
         if not device.executes:
-            raise SpecError(
-                f"study: {study_name!r} compiles for {device.target}, where nothing runs here; "
-                "there are no step times to confirm"
-            )
+            raise _compile_only(study_name, device.target)
         assert not isinstance(asked, Share)  # a study stores its budget in bytes
         limit = resolve_budget(asked, device)
         report = confirm(
@@ -281,3 +280,9 @@ def confirm_study(
     if len(confirmed) < 2:
         return report, []
     return report, sorted(confirmed, key=rank)
+
+
+def _compile_only(study_name: str, target: object) -> SpecError:
+    return SpecError(
+        f"study: {study_name!r} compiles for {target}, where nothing runs here; there are no step times to confirm"
+    )

@@ -121,7 +121,9 @@ def test_fsdp_divides_per_chip_argument_bytes_by_the_mesh() -> None:
 
 
 @pytest.mark.parametrize("budget", [None, "device"])
-def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str, budget: str | None) -> None:
+def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(
+    storage_url: str, budget: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = parse_spec(spec_dict(
         storage_url, target={"platform": "tpu", "topology": "v5e:2x2"}, budget=budget, trials=3,
         workload={**TINY_TRANSFORMER, "batch": 8, "dtype": "bfloat16"},
@@ -135,6 +137,10 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(storage_url: str, bud
     assert report.best(HBM_V5E).step_seconds == min(t.step_seconds for t in report.trials)
     # A query's `device` is the memory limit the study stored of its device.
     assert remat_search.best_plan(spec.study, "device", storage_url, check=False) == report.best(HBM_V5E)
+    # Nothing runs on a TPU target: no step times to confirm, said before a worker starts.
+    monkeypatch.setattr("remat_search.search.confirm.runner_for", None)  # a worker would fail differently
+    with pytest.raises(SpecError, match=r"^study: 'tiny' compiles for v5e:2x2, where nothing runs here; there are no "):
+        remat_search.confirm_study(spec.study, storage=storage_url)
 
 
 @pytest.mark.parametrize(
