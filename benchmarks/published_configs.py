@@ -25,7 +25,10 @@ same TPU slice, compiled ahead of time:
   ratio is like for like. The search compiles with libtpu's default flags (MaxText's slow the
   v6e compiles several times over), but for the scoped VMEM limit the v6e runs' attention blocks
   need (:attr:`Run.search_flags`); a second study of each run (:func:`flagged`) compiles the run's
-  choices at the published configuration and the search's answer with MaxText's flags.
+  choices at the published configuration and the search's answer with MaxText's flags;
+* **the host link**, the one figure the estimates assume rather than read from Google's pages:
+  each candidate under MaxText's flags that fits, compiled again and estimated at each of
+  :data:`HOST_LINKS` (:func:`host_links`), what a faster link would change of the answers.
 
 MaxText's flags (:attr:`Run.xla_flags`, set as ``LIBTPU_INIT_ARGS`` for the study's workers)
 decide, among other things, how early the compiler starts an offloaded tensor's transfer,
@@ -33,16 +36,20 @@ which is what an offloading run's step waits for. A run's published figure is a 
 of a real machine; each estimate is the model's, of a program compiled by this machine's
 libtpu, which is not the one MaxText ran. Writes
 ``benchmarks/results/published_configs.md`` (a row per run), the picture of each study's
-candidates (``published_configs.png``) and keeps the studies in
+candidates (``published_configs.png``) and the host-link estimates
+(``published_configs_links.json``), and keeps the studies in
 ``benchmarks/results/studies/published_configs.db``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import os
 import statistics
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,18 +64,27 @@ from jax.ad_checkpoint import checkpoint_name
 from search_quality_tpu import fresh_storage, versions
 
 import remat_search
+from remat_search.measure.executables import Executables
 from remat_search.plans.plan import RematPlan, scan_layers
 from remat_search.plans.policy import LayerPolicy
 from remat_search.report.results import StudyReport, TrialResult
 from remat_search.search.loop import measure_params
 from remat_search.spec.loading import parse_spec
+from remat_search.spec.models import TpuTarget
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND
+from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND, StepEstimate, estimate_step
+from remat_search.targets.tpu import TpuAotTarget
 from remat_search.units import format_bytes
 from remat_search.workloads.transformer import FLASH_BLOCK_FIELDS, TransformerWorkload, _attention, _split_batch
 
 HERE = Path(__file__).resolve().parent
 QKV = ["query_proj", "key_proj", "value_proj"]
+HOST_LINKS = (TPU_HOST_BYTES_PER_SECOND, 32e9, 64e9)
+"""Host links (bytes/s a chip, one way) each candidate is estimated at again (:func:`host_links`):
+the model's assumption, and PCIe Gen5 ×8's and ×16's. Google Cloud's v6e page says its chips
+reach their host by PCIe Gen5, and not how wide; the v5e's says neither."""
+LINKS = HERE / "results" / "published_configs_links.json"
+""":func:`host_links`'s figures of each run, kept for ``--report``."""
 
 
 @dataclass(frozen=True)
@@ -480,6 +496,47 @@ def flagged(run: Run, storage: str, searched: StudyReport) -> StudyReport:
     return report
 
 
+class _KeptProgram(TpuAotTarget):
+    """A TPU topology that keeps the last program it estimated, and its cost analysis."""
+
+    program, cost = "", {}
+
+    def estimate(self, hlo: str, cost: dict[str, float]) -> StepEstimate:
+        self.program, self.cost = hlo, cost
+        return super().estimate(hlo, cost)
+
+
+def _estimates_at_links(name: str, plans: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Run ``name``'s ``plans`` (JSON, each with its configuration, by summary) compiled here as
+    its study's worker compiles them, each program's step estimated at every :data:`HOST_LINKS`:
+    seconds by link (bytes/s, as a string), by summary. In a process of its own: libtpu reads
+    ``LIBTPU_INIT_ARGS`` once a process."""
+    run = next(r for r in RUNS if r.name == name)
+    target = _KeptProgram(TpuTarget(platform="tpu", topology=run.topology))
+    found = {}
+    for summary, text in plans.items():
+        plan = RematPlan.from_json(text)
+        c = plan.configuration
+        decoder = workload(run.model, c.global_batch, run.seq, run.causal, run.attention_blocks)
+        Executables(decoder, target=target, mesh=target.mesh(c.mesh_axes), configuration=c).build(plan)
+        found[summary] = {
+            f"{link:.0f}": estimate_step(target.program, target.chip.model_copy(update={"host_bytes_per_second": link}),
+                                         target.cost).seconds
+            for link in HOST_LINKS
+        }
+    return found
+
+
+def host_links(run: Run, flags: StudyReport) -> dict[str, dict[str, float]]:
+    """What the one figure the step-time model assumes, the host link, decides of ``run``: each
+    candidate of its study under MaxText's flags that fits the HBM (``flags``: the published
+    configuration's choices and the search's answer), compiled again with those flags and
+    estimated with the host link at each of :data:`HOST_LINKS` (see :func:`_estimates_at_links`)."""
+    plans = {t.summary(): t.plan.to_json() for t in flags.trials if t.step_seconds is not None}
+    with libtpu_flags(run.xla_flags), ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_estimates_at_links, run.name, plans).result()
+
+
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
     """The study's trial of the published configuration: its policy at the reference configuration."""
     policy = layer_policy(run.policy)
@@ -546,6 +603,7 @@ def main() -> None:
     db = HERE / "results" / "studies" / "published_configs.db"
     results: list[tuple[Run, StudyReport]] = []
     with_flags: dict[str, StudyReport] = {}
+    links: dict[str, dict[str, dict[str, float]]] = json.loads(LINKS.read_text()) if LINKS.exists() else {}
     if args.report:
         stored = {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{db}")}
         for run in (r for r in RUNS if r.name in args.runs):
@@ -566,16 +624,26 @@ def main() -> None:
                 results.append((run, search(run, storage, args.trials)))
             print(f"{run.name}: the published configuration and the answer under MaxText's flags", flush=True)
             with_flags[run.name] = flagged(run, storage, results[-1][1])
-    text = report_text(results, with_flags)
+            fitting = {t.summary() for t in with_flags[run.name].trials if t.step_seconds is not None}
+            if not (args.resume and set(links.get(run.name, {})) == fitting):
+                print(f"{run.name}: those that fit, estimated at host links of "
+                      f"{', '.join(f'{b / 1e9:.0f}' for b in HOST_LINKS)} GB/s", flush=True)
+                links[run.name] = host_links(run, with_flags[run.name])
+                LINKS.write_text(json.dumps(links, indent=1, sort_keys=True) + "\n")
+    text = report_text(results, with_flags, links)
     out = HERE / "results" / "published_configs.md"
     out.write_text(text)
     plot(results, HERE / "results" / "published_configs.png")
     print("\n" + text + f"\nwrote {out} and published_configs.png")
 
 
-def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, StudyReport]) -> str:
+def report_text(
+    results: list[tuple[Run, StudyReport]], with_flags: dict[str, StudyReport],
+    links: dict[str, dict[str, dict[str, float]]] | None = None,
+) -> str:
     """The results page: fidelity (under MaxText's flags where ``with_flags`` holds the run's
-    study of them), quality, sources."""
+    study of them), quality, what the host link decides (``links``: :func:`host_links` by run),
+    sources."""
     timed = {run.name: t for run, report in results
              if (t := published_trial(run, with_flags.get(run.name, report))) is not None and t.seconds is not None}
     ratios = {run.name: timed[run.name].seconds / run.published_step() for run, _ in results if run.name in timed}
@@ -649,6 +717,7 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
         "|---|---|---|---|---|---|---|---|---|",
         *quality, "",
         f"Published configurations beaten by ≥ 5% estimated throughput: {beaten} of {len(quality)}.\n",
+        *link_section(results, with_flags, links or {}),
         "## Every candidate compiled\n",
         "Why a published configuration was or was not beaten, candidate by candidate: each study's compiles, "
         "with the compiler's peak a chip against the chip's HBM and the estimated throughput.\n",
@@ -666,6 +735,45 @@ def report_text(results: list[tuple[Run, StudyReport]], with_flags: dict[str, St
            f"`python benchmarks/published_configs.py --gpu` on one GPU ({GPU_SCALE}× narrower, 4 layers, 2048 tokens; "
            "`results/published_configs_gpu/`):\n", gpu.read_text()] if gpu.exists() else []),
     ])
+
+
+def link_section(
+    results: list[tuple[Run, StudyReport]], with_flags: dict[str, StudyReport], links: dict[str, dict[str, dict[str, float]]]
+) -> list[str]:
+    """The page's section on the host link: each run's published configuration and its best
+    candidate under MaxText's flags, estimated at each of :data:`HOST_LINKS`."""
+    rows, beaten = [], dict.fromkeys(HOST_LINKS, 0)
+    for run, _ in results:
+        mine = published_trial(run, with_flags[run.name]) if run.name in with_flags else None
+        found = links.get(run.name)
+        if mine is None or not found or mine.summary() not in found:
+            continue
+        published, cells = found[mine.summary()], []
+        for link in HOST_LINKS:
+            key = f"{link:.0f}"
+            best = min(found, key=lambda s: found[s][key])  # one global batch: the least step, the most tokens/s
+            gain = published[key] / found[best][key] - 1
+            beaten[link] += gain >= 0.05
+            cells.append(f"{published[key]:.2f} s: {published[key] / run.published_step():.3f} | "
+                         f"{best if best != mine.summary() else 'the published'}: {gain:+.1%}")
+        rows.append(f"| {run.name} | {len(found)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    gbs = [f"{link / 1e9:.0f} GB/s" for link in HOST_LINKS]
+    return [
+        "## The host link: the one figure the estimates assume\n",
+        f"Google Cloud publishes no per-chip host link; the estimates above take {gbs[0]} one way (the figure of "
+        "\"How to Scale Your Model\"). Every candidate of each study under MaxText's flags that fits the HBM "
+        "(the published configuration's choices and the search's answer) compiled again with those flags and "
+        f"estimated with the host link at {', '.join(gbs)} (PCIe Gen5 ×8 and ×16: Google Cloud's v6e page says "
+        "PCIe Gen5, not how wide), by `host_links()`. A run whose candidates offload nothing does not move.\n",
+        "| run | candidates | " + " | ".join(f"published config at {g}: est. step, / published | best at {g}: gain"
+                                            for g in gbs) + " |",
+        "|---|---|" + "---|---|" * len(HOST_LINKS),
+        *rows, "",
+        "Published configurations beaten by ≥ 5% estimated throughput among these candidates: "
+        + ", ".join(f"{beaten[link]} of {len(rows)} at {g}" for link, g in zip(HOST_LINKS, gbs, strict=True)) + ".\n",
+    ]
 
 
 def flagged_gain(run: Run, flags: StudyReport | None, found: TrialResult | None) -> str:
