@@ -15,9 +15,13 @@ from typing import Annotated
 from pydantic import BeforeValidator, ByteSize, TypeAdapter, ValidationError
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
+_SIZE = re.compile(r"\s*(\d*\.?\d+)\s*[A-Za-z]*\s*")
+"""A size as ByteSize reads one, whole: it reads a number and a unit from the start of its text
+and leaves whatever follows unread."""
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _SECONDS_PER_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 BYTES_EXPECTED = "a positive size such as 200MiB, 16GiB, 80GB or 1.6e10"
+RATE_EXPECTED = "bytes a second such as 32GB/s, 64GB/s or 3.2e10"
 MAX_SECONDS = 30 * 24 * 3600.0
 """The longest duration accepted: a month is longer than any wait that makes sense, and
 longer ones overflow the clocks that waits use (``1e300`` seconds is no timeout)."""
@@ -30,6 +34,8 @@ def parse_bytes(value: object) -> int:
     try:
         number = float(value) if not isinstance(value, int) else _float(value)  # type: ignore[arg-type]  # "1.6e10", "-1"
     except (TypeError, ValueError):
+        if isinstance(value, str) and not _SIZE.fullmatch(value):  # ByteSize reads "32GB/h" as 32GB
+            raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
         try:
             number = _float(_BYTE_SIZE.validate_python(value))
         except ValidationError:
@@ -39,6 +45,15 @@ def parse_bytes(value: object) -> int:
     if not math.isfinite(number) or int(number) <= 0:  # 0.5 is no byte
         raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}")
     return int(number)
+
+
+def parse_rate(value: object) -> int:
+    """Return the positive bytes a second ``value`` names: a size, ``/s`` after it or not
+    (``32GB/s``, ``32GB``, ``3.2e10``)."""
+    try:
+        return parse_bytes(value.strip().removesuffix("/s") if isinstance(value, str) else value)
+    except ValueError:
+        raise ValueError(f"expected {RATE_EXPECTED}, got {value!r}") from None
 
 
 def _float(n: int) -> float:
@@ -116,6 +131,9 @@ def format_duration(s: float) -> str:
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 """A pydantic field type for positive byte counts written as sizes."""
+
+BytesPerSecond = Annotated[int, BeforeValidator(parse_rate)]
+"""A pydantic field type for a link's bandwidth, bytes a second written as sizes (``32GB/s``)."""
 
 Seconds = Annotated[float, BeforeValidator(parse_seconds)]
 """A pydantic field type for positive durations."""

@@ -1,6 +1,6 @@
 import pytest
 
-from remat_search.units import format_bytes, format_seconds, parse_bytes, parse_seconds, size_argument
+from remat_search.units import format_bytes, format_seconds, parse_bytes, parse_rate, parse_seconds, size_argument
 
 
 @pytest.mark.parametrize(
@@ -12,10 +12,22 @@ def test_parse_bytes_accepts_sizes_and_numbers(text: object, expected: int) -> N
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["16 GiBs", "-1", 0, "abc", "", True, "inf", "nan"])
+@pytest.mark.parametrize("text", ["16 GiBs", "-1", 0, "abc", "", True, "inf", "nan", "14GiB!!", "32GB/h", "1 GiB 2 MiB"])
 def test_parse_bytes_rejects_with_the_expected_form(text: object) -> None:
     with pytest.raises(ValueError, match="expected a positive size such as 200MiB"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("32GB/s", 32 * 10**9), ("32GB", 32 * 10**9), ("3.2e10", 32 * 10**9),
+                                              (" 64GB/s ", 64 * 10**9), (10**9, 10**9)])
+def test_parse_rate_reads_a_size_a_second(text: object, expected: int) -> None:
+    assert parse_rate(text) == expected
+
+
+@pytest.mark.parametrize("text", ["fast", "32GB/h", "0GB/s", "/s", True])
+def test_parse_rate_rejects_with_the_expected_form(text: object) -> None:
+    with pytest.raises(ValueError, match=r"expected bytes a second such as 32GB/s, 64GB/s or 3.2e10, got"):
+        parse_rate(text)
 
 
 @pytest.mark.parametrize(("text", "expected"), [("120s", 120.0), ("2m", 120.0), (3, 3.0), ("500ms", 0.5)])

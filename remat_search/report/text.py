@@ -182,7 +182,8 @@ def _estimate_line(m: RawMeasurement) -> str:
     old = f"; the whole-program roofline says {format_seconds(e.roofline_seconds)}" if e.roofline_seconds else ""
     host = (
         f" + waiting for host transfers {format_seconds(e.host_wait_seconds)} ({e.host_bytes / 1e9:.3f} GB to and "
-        f"from host memory, the link busy {format_seconds(e.host_seconds)}, overlapped with the compute between "
+        f"from host memory, the link busy {format_seconds(e.host_seconds)}"
+        f"{f' at {e.host_bytes / e.host_seconds / 1e9:.3g} GB/s' if e.host_seconds else ''}, overlapped with the compute between "
         f"each transfer's start and its done)" if e.host_bytes else ""
     )
     padded = (f", {e.mxu_flops / 1e9:.1f} as the matrix units spend them, padded to their tiles"

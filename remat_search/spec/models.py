@@ -37,7 +37,7 @@ from remat_search.spec.workloads import (
     axis_name,
 )
 from remat_search.store.location import default_storage
-from remat_search.units import Bytes, Seconds
+from remat_search.units import Bytes, BytesPerSecond, Seconds
 
 
 class PolicyChoice(Frozen):
@@ -188,6 +188,11 @@ class TpuTarget(Frozen):
 
     platform: Literal["tpu"]
     topology: str
+    host_link: BytesPerSecond | None = None
+    """The bytes a second one chip's link to its host carries one way, where you know it
+    (``32GB/s``): what an offloaded tensor's transfers are priced at. None: the step-time
+    model's assumption (``targets.step_time.TPU_HOST_BYTES_PER_SECOND``, 15 GB/s), which
+    Google Cloud publishes no figure to check."""
 
     @field_validator("topology")
     @classmethod

@@ -31,11 +31,16 @@ class TpuAotTarget(Target):
                 f"expected one of {sorted(CHIPS)}, e.g. v5e:2x4"
             )
         self.chip = CHIPS[generation]
+        if config.host_link is not None:
+            self.chip = self.chip.model_copy(update={"host_bytes_per_second": float(config.host_link)})
+        self.host_link = config.host_link
         self._devices: list[Any] | None = None
 
     @property
     def name(self) -> str:
-        return self.topology
+        """The topology, and the host link where the spec gives one: it prices what offload
+        costs, so a measurement kept for one link (the cache's key) is not another's."""
+        return self.topology if self.host_link is None else f"{self.topology}, host link {self.host_link / 1e9:g} GB/s"
 
     def devices(self) -> list[Any]:
         if self._devices is None:

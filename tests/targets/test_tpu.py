@@ -40,9 +40,9 @@ LARGE = TransformerConfig(kind="transformer", layers=2, d_model=512, heads=8, d_
                           attention="dense")
 
 
-def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None) -> Measurement:
+def _measure(config: TransformerConfig, policy: object, mesh_axes: dict | None = None, target: TpuTarget = V5E) -> Measurement:
     workload = build_workload(config)
-    target = target_of(V5E)
+    target = target_of(target)
     executables = Executables(workload, target=target, mesh=target.mesh(mesh_axes))
     plan = RematPlan.uniform(policy, workload.layers)
     m = measure(executables, plan, budget=HBM_V5E, timing=TimingConfig(), gradient_tolerance=1e-3)
@@ -91,6 +91,33 @@ def test_offload_reports_the_compilers_host_memory_beside_device_memory() -> Non
     kept = describe_trial(TrialResult(number=1, status="measured", measurement=saved,
                                       plan=RematPlan.uniform(LayerPolicy(kind="names", names=qkv), tiny.layers)))
     assert "host memory" not in kept and "host transfers" not in kept and saved.estimate.host_bytes == 0
+
+
+def test_a_targets_host_link_prices_the_same_transfers_and_says_so(storage_url: str) -> None:
+    """``target.host_link`` (a link figure the user knows) prices an offloading plan's transfers
+    at it: the same program and bytes, the link busy for 15/64 of the time the model's assumed 15
+    GB/s takes, `show` saying which; and a study at one link does not take another's kept
+    measurements (the target's name carries the link, and the cache's key with it)."""
+    tiny = TransformerConfig(**TINY_TRANSFORMER)
+    offload = LayerPolicy(kind="offload", names=("query_proj", "key_proj", "value_proj"))
+    assumed = _measure(tiny, offload)
+    fast = _measure(tiny, offload, target=V5E.model_copy(update={"host_link": 64 * 10**9}))
+    one, other = assumed.estimate, fast.estimate
+    assert assumed.program_digest == fast.program_digest and other.host_bytes == one.host_bytes > 0
+    assert other.host_seconds == pytest.approx(one.host_seconds * 15 / 64)
+    assert other.compute_seconds == one.compute_seconds and other.host_wait_seconds <= one.host_wait_seconds
+    plan = RematPlan.uniform(offload, tiny.layers)
+    for m, said in ((assumed, "at 15 GB/s"), (fast, "at 64 GB/s")):
+        assert said in describe_trial(TrialResult(number=0, status="measured", measurement=m, plan=plan))
+
+    space = {"layout": "uniform", "choices": [{"label": "offload_qkv", "offload": ["query_proj", "key_proj", "value_proj"]}]}
+    reports = [remat_search.run(parse_spec(spec_dict(
+        storage_url, study=f"link-{(link or 'assumed').removesuffix('/s')}", space=space, trials=1, confirm={"top": 0},
+        target={"platform": "tpu", "topology": "v5e:2x2", **({"host_link": link} if link else {})},
+    ))) for link in (None, "64GB/s")]
+    assert [r.device["target"] for r in reports] == ["v5e:2x2", "v5e:2x2, host link 64 GB/s"]
+    first, second = (r.trials[0] for r in reports)
+    assert second.cached_from is None and second.measurement.estimate.host_seconds < first.measurement.estimate.host_seconds
 
 
 def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_in_full_while_full_fits() -> None:
@@ -149,6 +176,8 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(
      ({"target": {"platform": "tpu", "topology": "v5e:3x3"}}, "spec.target.topology: libtpu does not know 'v5e:3x3'"),
      ({"target": {"platform": "tpu", "topology": "v5e-2x2"}}, "spec.target.topology: expected a TPU topology such as v5e:2x4"),
      ({"target": "tpu"}, "spec.target: expected local or {platform: tpu"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2", "host_link": "fast"}},
+      "spec.target.host_link: expected bytes a second such as 32GB/s, 64GB/s or 3.2e10, got 'fast'"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 2, "fsdp": 4}},
       "spec.mesh: {'data': 2, 'fsdp': 4} spans 8 devices, the target has 4"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"model layer": 4}},
