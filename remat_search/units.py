@@ -18,6 +18,8 @@ _BYTE_SIZE = TypeAdapter(ByteSize)
 _SIZE = re.compile(r"\s*(\d*\.?\d+)\s*[A-Za-z]*\s*")
 """A size as ByteSize reads one, whole: it reads a number and a unit from the start of its text
 and leaves whatever follows unread."""
+_BITS = re.compile(r"[A-Za-z]?b\s*$")
+"""A unit of bits: ``Gb``, ``Mb``, ``b``."""
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _SECONDS_PER_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 BYTES_EXPECTED = "a positive size such as 200MiB, 16GiB, 80GB or 1.6e10"
@@ -49,9 +51,13 @@ def parse_bytes(value: object) -> int:
 
 def parse_rate(value: object) -> int:
     """Return the positive bytes a second ``value`` names: a size, ``/s`` after it or not
-    (``32GB/s``, ``32GB``, ``3.2e10``)."""
+    (``32GB/s``, ``32GB``, ``3.2e10``). A unit in a small ``b`` (``32Gb/s``) is refused: links
+    are quoted in bits so, which ByteSize would read as bytes, eight times the link."""
+    text = value.strip().removesuffix("/s") if isinstance(value, str) else value
+    if isinstance(text, str) and _BITS.search(text):
+        raise ValueError(f"expected {RATE_EXPECTED}, got {value!r}, which is bits (B is bytes)")
     try:
-        return parse_bytes(value.strip().removesuffix("/s") if isinstance(value, str) else value)
+        return parse_bytes(text)
     except ValueError:
         raise ValueError(f"expected {RATE_EXPECTED}, got {value!r}") from None
 

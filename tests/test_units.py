@@ -24,7 +24,7 @@ def test_parse_rate_reads_a_size_a_second(text: object, expected: int) -> None:
     assert parse_rate(text) == expected
 
 
-@pytest.mark.parametrize("text", ["fast", "32GB/h", "0GB/s", "/s", True])
+@pytest.mark.parametrize("text", ["fast", "32GB/h", "0GB/s", "/s", True, "32Gb/s", "32gb", "256b/s"])
 def test_parse_rate_rejects_with_the_expected_form(text: object) -> None:
     with pytest.raises(ValueError, match=r"expected bytes a second such as 32GB/s, 64GB/s or 3.2e10, got"):
         parse_rate(text)

@@ -26,7 +26,7 @@ class DeviceInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     target: str
-    """``local`` or the TPU topology."""
+    """``local`` or the TPU topology (with the host link where the spec gives one: ``v5e:2x2, host link 64GB/s``)."""
     platform: str
     device_kind: str
     device_count: int

@@ -86,7 +86,8 @@ def budget_bytes(budget: object, study: StoredStudy, *, name: str = "budget") ->
         peak = study.no_remat_peak()
         if peak is None:
             missing = ("searches configurations and stores no compiled peak of the uniform no-remat plan at its own "
-                       "batch and mesh (a search stores it where its budget is a share)" if study.searches_configurations
+                       "batch and mesh (a search stores it when it resolves a share budget: run the spec again with one)"
+                       if study.searches_configurations
                        else "has no compiled trial of the uniform no-remat plan")
             raise SpecError(f"{name}: {asked} is a share of no remat's compiled peak, and study {study.name!r} "
                             f"{missing}; give bytes such as 14GiB")
@@ -112,7 +113,7 @@ class StudySummary(BaseModel):
     device: str
     """``platform (device kind)`` of the devices that measure it; ``—`` before a worker has."""
     target: str
-    """Where its plans run: ``local``, or the TPU topology they are compiled for."""
+    """Where its plans run: ``local``, or the TPU topology they are compiled for (and its host link, where given)."""
     complete: int
     failed: int
     running: int

@@ -139,7 +139,7 @@ class StoredStudy:
         own batch and mesh, which a budget such as ``70%`` is a share of: as the search stored
         it where it resolved a share budget, else that of the study's first compiled trial of
         the plan; None where the study has neither (its space has no ``none``, it was not
-        compiled yet, or it searches configurations and its budget was given in bytes)."""
+        compiled yet, or it searches configurations and no search of it resolved a share budget)."""
         stored = self.attrs.get(NO_REMAT_PEAK_ATTR)
         if isinstance(stored, int) and not isinstance(stored, bool):
             return stored

@@ -71,7 +71,7 @@ class Target(ABC):
     @property
     @abstractmethod
     def name(self) -> str:
-        """How the study names it: ``local``, or the TPU topology."""
+        """How the study names it: ``local``, or the TPU topology (with the host link where the spec gives one)."""
 
     @abstractmethod
     def devices(self) -> list[Any]:

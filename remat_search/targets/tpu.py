@@ -5,7 +5,6 @@ nothing is allocated or executed, and a step's time is estimated
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -14,6 +13,7 @@ from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
 from remat_search.targets.step_time import CHIPS, StepEstimate, estimate_step
+from remat_search.units import size_argument
 
 
 class TpuAotTarget(Target):
@@ -40,7 +40,7 @@ class TpuAotTarget(Target):
     def name(self) -> str:
         """The topology, and the host link where the spec gives one: it prices what offload
         costs, so a measurement kept for one link (the cache's key) is not another's."""
-        return self.topology if self.host_link is None else f"{self.topology}, host link {self.host_link / 1e9:g} GB/s"
+        return self.topology if self.host_link is None else f"{self.topology}, host link {size_argument(self.host_link)}/s"
 
     def devices(self) -> list[Any]:
         if self._devices is None:
@@ -57,6 +57,10 @@ class TpuAotTarget(Target):
         return estimate_step(hlo, self.chip, cost)
 
 
+QUIET_LIBTPU = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+"""What libtpu is told while it loads on a host without TPUs (where these are unset)."""
+
+
 def _topology_devices(topology: str) -> list[Any]:
     """A TPU topology's devices, from libtpu (none allocated)."""
     try:
@@ -68,20 +72,22 @@ def _topology_devices(topology: str) -> list[Any]:
         ) from None
     from jax.experimental import topologies
 
-    if tpu_chips_attached() == 0:
-        # libtpu, loaded where no TPU is, asks the cloud's metadata for one and warns in five
-        # lines (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES); told it is one host of the
-        # topology's kind, it compiles the same programs (the same optimized HLO on v4, v5e,
-        # v5p and v6e) and says nothing.
-        generation, dims = topology.split(":", 1)
-        chips = math.prod(int(d) for d in dims.split("x") if d.isdigit())
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{generation}-{chips}")
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu, loaded where no TPU is, asks the cloud's metadata for one and warns in five lines
+    # (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES). Told it is a host of some TPU kind while it
+    # loads, it says nothing; the kind decides nothing of what it compiles (the same optimized
+    # HLO for v4, v5e, v5p and v6e topologies, told v5litepod-4 or not).
+    quiet = QUIET_LIBTPU if tpu_chips_attached() == 0 else {}
+    before = {name: os.environ.get(name) for name in quiet}
+    os.environ.update({name: value for name, value in quiet.items() if before[name] is None})
     try:
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu says what is wrong with the name
         first = str(e).strip().splitlines()[0]
         raise SpecError(f"spec.target.topology: libtpu does not know {topology!r} ({first})") from None
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
 
 
 def tpu_chips_attached() -> int | None:

@@ -189,8 +189,8 @@ def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_ur
     shared = cli("best", "--study", "tiny", "--budget", "70%", "--storage", storage_url)
     assert shared.exit_code == 2 and shared.stderr == (
         "error: --budget: 70% is a share of no remat's compiled peak, and study 'tiny' searches configurations and "
-        "stores no compiled peak of the uniform no-remat plan at its own batch and mesh (a search stores it where its "
-        "budget is a share); give bytes such as 14GiB\n")
+        "stores no compiled peak of the uniform no-remat plan at its own batch and mesh (a search stores it when it "
+        "resolves a share budget: run the spec again with one); give bytes such as 14GiB\n")
 
     again = remat_search.run(parse_spec({**spec, "trials": 6, "confirm": {"top": 0}}))
     assert len(again.trials) == 6 and [t.plan for t in again.trials[:5]] == [t.plan for t in report.trials]

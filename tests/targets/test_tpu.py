@@ -115,7 +115,7 @@ def test_a_targets_host_link_prices_the_same_transfers_and_says_so(storage_url: 
         storage_url, study=f"link-{(link or 'assumed').removesuffix('/s')}", space=space, trials=1, confirm={"top": 0},
         target={"platform": "tpu", "topology": "v5e:2x2", **({"host_link": link} if link else {})},
     ))) for link in (None, "64GB/s")]
-    assert [r.device["target"] for r in reports] == ["v5e:2x2", "v5e:2x2, host link 64 GB/s"]
+    assert [r.device["target"] for r in reports] == ["v5e:2x2", "v5e:2x2, host link 64GB/s"]
     first, second = (r.trials[0] for r in reports)
     assert second.cached_from is None and second.measurement.estimate.host_seconds < first.measurement.estimate.host_seconds
 
