@@ -118,6 +118,11 @@ def test_a_targets_host_link_prices_the_same_transfers_and_says_so(storage_url: 
     assert [r.device["target"] for r in reports] == ["v5e:2x2", "v5e:2x2, host link 64GB/s"]
     first, second = (r.trials[0] for r in reports)
     assert second.cached_from is None and second.measurement.estimate.host_seconds < first.measurement.estimate.host_seconds
+    with pytest.raises(SpecError, match=r"^spec.target: study 'link-assumed' already exists with another target"):
+        remat_search.run(parse_spec(spec_dict(
+            storage_url, study="link-assumed", space=space, trials=2, confirm={"top": 0},
+            target={"platform": "tpu", "topology": "v5e:2x2", "host_link": "64GB/s"},
+        )))
 
 
 def test_too_big_without_remat_is_infeasible_with_the_compilers_bytes_in_full_while_full_fits() -> None:
