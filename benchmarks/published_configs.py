@@ -527,12 +527,17 @@ def _estimates_at_links(name: str, plans: dict[str, str]) -> dict[str, dict[str,
     return found
 
 
+def fitting(report: StudyReport) -> dict[str, str]:
+    """The study's candidates within the HBM, each estimated (plan JSON by summary)."""
+    return {t.summary(): t.plan.to_json() for t in report.trials if t.step_seconds is not None}
+
+
 def host_links(run: Run, flags: StudyReport) -> dict[str, dict[str, float]]:
     """What the one figure the step-time model assumes, the host link, decides of ``run``: each
     candidate of its study under MaxText's flags that fits the HBM (``flags``: the published
     configuration's choices and the search's answer), compiled again with those flags and
     estimated with the host link at each of :data:`HOST_LINKS` (see :func:`_estimates_at_links`)."""
-    plans = {t.summary(): t.plan.to_json() for t in flags.trials if t.step_seconds is not None}
+    plans = fitting(flags)
     with libtpu_flags(run.xla_flags), ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_estimates_at_links, run.name, plans).result()
 
@@ -624,8 +629,7 @@ def main() -> None:
                 results.append((run, search(run, storage, args.trials)))
             print(f"{run.name}: the published configuration and the answer under MaxText's flags", flush=True)
             with_flags[run.name] = flagged(run, storage, results[-1][1])
-            fitting = {t.summary() for t in with_flags[run.name].trials if t.step_seconds is not None}
-            if not (args.resume and set(links.get(run.name, {})) == fitting):
+            if not (args.resume and set(links.get(run.name, {})) == set(fitting(with_flags[run.name]))):
                 print(f"{run.name}: those that fit, estimated at host links of "
                       f"{', '.join(f'{b / 1e9:.0f}' for b in HOST_LINKS)} GB/s", flush=True)
                 links[run.name] = host_links(run, with_flags[run.name])

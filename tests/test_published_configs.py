@@ -111,9 +111,8 @@ def test_the_host_link_sweep_estimated_the_studies_programs_again() -> None:
     ratios: dict[str, list[float]] = {}
     for run in pc.RUNS:
         flagged = remat_search.load_report(pc.study_names(run)[1], storage)
-        fitting = {t.summary(): t.step_seconds for t in flagged.trials if t.step_seconds is not None}
-        assert set(links[run.name]) == set(fitting)
-        for summary, seconds in fitting.items():
+        assert set(links[run.name]) == set(pc.fitting(flagged))
+        for summary, seconds in ((t.summary(), t.step_seconds) for t in flagged.trials if t.step_seconds is not None):
             by_link = [links[run.name][summary][f"{link:.0f}"] for link in pc.HOST_LINKS]
             assert links[run.name][summary][own] == seconds
             assert by_link == sorted(by_link, reverse=True)
