@@ -10,6 +10,7 @@ check ok, and no worker process left behind by a killed search.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -55,9 +56,11 @@ def chaos(folder: Path, *, kills: int, trials: int, workers: int = 2, seed: int 
         search = run_process("run", str(spec))
         runs += 1
         deadline = time.monotonic() + rng.uniform(1.0, 8.0)
-        while time.monotonic() < deadline and search.poll() is None:
+        # At a random moment, or at the latest with two trials to go: however fast the host, a
+        # search is killed before it finishes as long as kills are left.
+        while time.monotonic() < deadline and search.poll() is None and _finished(folder / "chaos.db") < trials - 2:
             workers_seen.update(c.pid for c in _children(search.pid))
-            time.sleep(0.1)
+            time.sleep(0.05)
         if search.poll() is not None:  # finished before the kill: the study is done
             search.communicate()
             break
@@ -79,7 +82,6 @@ def chaos(folder: Path, *, kills: int, trials: int, workers: int = 2, seed: int 
     runs += 1
     trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
-    time.sleep(3)  # a worker of a killed search notices within a second or two
     with sqlite3.connect(folder / "chaos.db") as db:
         integrity = db.execute("PRAGMA integrity_check").fetchone()[0]
     return {
@@ -88,11 +90,20 @@ def chaos(folder: Path, *, kills: int, trials: int, workers: int = 2, seed: int 
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
         "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
         "integrity": integrity,
-        "orphans": sorted(pid for pid in workers_seen if _alive(pid)),
+        "orphans": _orphans(workers_seen),
         "plans": [RematPlan.model_validate_json(t.user_attrs[PLAN_ATTR]) for t in trials_now
                   if t.state == TrialState.COMPLETE],
         "storage": storage,
     }
+
+
+def _finished(db: Path) -> int:
+    """How many trials of the chaos study are complete now (0 before its tables exist)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=60)) as connection:
+            return connection.execute("SELECT count(*) FROM trials WHERE state IN ('COMPLETE', 'PRUNED')").fetchone()[0]
+    except sqlite3.OperationalError:  # no database or no tables yet
+        return 0
 
 
 def _complete(storage: str) -> dict[int, tuple[Any, ...]]:
@@ -112,6 +123,21 @@ def _children(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+ORPHAN_SECONDS = 120.0
+"""How long a worker of a killed search may take to see its parent gone and exit: it looks
+every second, but a loaded host may run it late; one still alive past this will not exit."""
+
+
+def _orphans(pids: set[int]) -> list[int]:
+    """The processes of ``pids`` still alive once every worker had :data:`ORPHAN_SECONDS` to
+    exit (the wait ends as soon as none is left): whatever the host's speed, only a worker
+    that never exits is one."""
+    deadline = time.monotonic() + ORPHAN_SECONDS
+    while (alive := sorted(pid for pid in pids if _alive(pid))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
 def _alive(pid: int) -> bool:
@@ -165,12 +191,11 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
     seconds = time.monotonic() - started
     trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
-    time.sleep(3)  # a worker of a killed search notices within a second or two
     return {
         "kills": killed, "runs": runs, "exits": exits, "seconds": seconds,
         "finished": sum(counts(t) for t in trials_now),
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
         "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
-        "orphans": sorted(pid for pid in processes_seen if _alive(pid)),
+        "orphans": _orphans(processes_seen),
         "hosts": sorted({t.user_attrs.get("host") for t in trials_now if t.user_attrs.get("host")}),
     }

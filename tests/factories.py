@@ -161,7 +161,9 @@ def slow_compile(seconds: float = 1.0) -> SlowCompileMlp:
 class DelayedMlp(MlpWorkload):
     """An MLP whose step, when it runs, sleeps the milliseconds that the JSON file ``delays``
     gives for its plan's summary (``{"none×3": 40}``) at that moment, plus those ``"*"``
-    gives for every plan: a machine that is busy while some plans are timed and not others."""
+    gives for every plan: a machine that is busy while some plans are timed and not others.
+    With ``"die": true`` in the file the step's process sends itself SIGKILL instead, as the
+    kernel's OOM killer would: a machine that is gone from that moment on."""
 
     def __init__(self, delays: str) -> None:
         super().__init__(TINY_MLP)
@@ -173,6 +175,9 @@ class DelayedMlp(MlpWorkload):
 
         def delay() -> None:
             delays = json.loads(self.delays.read_text())
+            if delays.get("die"):
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # the signal is delivered meanwhile
             time.sleep((delays.get(summary, 0) + delays.get("*", 0)) / 1000)
 
         def delayed_step(state, batch):  # type: ignore[no-untyped-def]

@@ -63,13 +63,17 @@ def test_readme_is_a_front_door_linking_every_page() -> None:
 
 def test_readmes_two_commands_are_the_ones_ci_and_the_demo_run() -> None:
     """The first two bash blocks: install and run the demo, install and run the tests; .ci/run
-    ends with the second, and the demo's spec is there."""
+    ends with the second, run in a virtual environment it has just made, and the demo's spec is
+    there."""
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
     demo, tests = (b.strip() for b in blocks[:2])
     assert demo == "pip install -e . && remat-search run search_spaces/demo.yaml"
     assert (REPO / "search_spaces" / "demo.yaml").is_file()
     assert tests == "pip install -e '.[test]' && pytest"
-    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == tests
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == tests
+    # in a new virtual environment, made and entered just before: what a new machine resolves
+    assert ci[-5:-1] == ['VENV=$(mktemp -d)', "trap 'rm -rf \"$VENV\"' EXIT", 'python3 -m venv "$VENV"', '. "$VENV/bin/activate"']
 
 
 def test_every_spec_in_search_spaces_loads() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from remat_search import RematPlan
+from remat_search.errors import RematSearchError
 from remat_search.measure.runner import Runner
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig
@@ -40,3 +41,14 @@ def test_with_remat_search_debug_a_candidate_that_raises_shows_the_workers_trace
     shown = capfd.readouterr().err
     assert "plan full×3 failed in the worker: RuntimeError: this model is broken" in shown
     assert 'raise RuntimeError("this model is broken")' in shown
+
+
+def test_a_re_timing_that_runs_past_the_timeout_kills_the_worker_and_says_so(storage_url: str) -> None:
+    """Re-timing may take ``timing.timeout`` a plan; past it the worker is killed and the error
+    says which limit ran out. Independent of the host's speed: every step of
+    ``tests.factories:hanging`` hangs, so however long its compiles take, the time runs out."""
+    workload = parse_spec(spec_dict(storage_url, workload={"factory": "tests.factories:hanging"})).workload
+    plans = [RematPlan.uniform("full", 3), RematPlan.uniform("dots", 3)]
+    with Runner(workload, timeout=2) as runner:
+        with pytest.raises(RematSearchError, match=r"^confirm: re-timing timed out after 4 s \(timing\.timeout\); worker killed$"):
+            runner.retime(plans, warmup=1, rounds=2)
