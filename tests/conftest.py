@@ -8,6 +8,7 @@ import importlib.util
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,21 @@ CHOICES: list[Any] = ["none", "full", "dots", {"label": "save_attn", "names": ["
 FAST_TIMING = {"warmup": 1, "repeats": 2, "timeout": "120s"}
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _signal_state() -> tuple[object, frozenset[signal.Signals]]:
+    """How this thread takes Ctrl-C: SIGINT's handler, and the signals it blocks."""
+    return signal.getsignal(signal.SIGINT), frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+@pytest.fixture(autouse=True)
+def _signals_as_found() -> Iterator[None]:
+    """Every test leaves SIGINT as it found it, handled and not blocked: a process the test
+    process starts inherits an ignored or blocked SIGINT, and Ctrl-C would not reach it (a
+    later test of the same pytest worker, whichever that is, would hang on it)."""
+    before = _signal_state()
+    yield
+    assert _signal_state() == before, f"this test left SIGINT changed: {before} -> {_signal_state()}"
 
 
 def spec_dict(storage: str, **overrides: Any) -> dict[str, Any]:

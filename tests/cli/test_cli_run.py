@@ -72,13 +72,18 @@ def test_ctrl_c_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path, s
         workload={"factory": "tests.factories:hanging", "args": {"started": str(started)}},
     ))
     search = run_process("run", str(spec), stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not started.exists():  # until a trial's step is running (and hangs)
-        assert search.poll() is None, search.communicate()
-        assert time.monotonic() < deadline, "no step ran"
-        time.sleep(0.2)
-    os.killpg(search.pid, signal.SIGINT)
-    stdout, stderr = search.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 300
+        while not started.exists():  # until a trial's step is running (and hangs)
+            assert search.poll() is None, search.communicate()
+            assert time.monotonic() < deadline, "no step ran"
+            time.sleep(0.2)
+        os.killpg(search.pid, signal.SIGINT)
+        stdout, stderr = search.communicate(timeout=120)
+    finally:  # however it failed: no search left running for the next test of this worker
+        if search.poll() is None:
+            os.killpg(search.pid, signal.SIGKILL)
+            search.communicate()
     assert search.returncode == 130, stdout + stderr
     assert stderr.splitlines() == [
         f"interrupted: finished trials are kept, and the same command resumes the study: remat-search run {spec}"

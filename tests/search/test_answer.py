@@ -4,7 +4,7 @@ The search times each plan once; the fastest of many single noisy times is biase
 winner's curse), so the plans confirmation re-times tend to come back slower, and the next
 plan by its one search time would then be the answer without ever being re-timed. Here the
 machine is made to do exactly that, through ``tests.factories:delayed``: the two plans the
-search timed fastest were timed in a quiet spell and are 30 ms slower when re-timed.
+search timed fastest were timed in a quiet spell and are far slower when re-timed.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ PLANS = [
     RematPlan(layers=tuple(LayerPolicy(kind=k) for k in kinds)).summary()
     for kinds in itertools.product(["none", "full"], repeat=3)
 ]
-SLOW = 40  # ms: the anchor's delay, always, and the lucky plans' when they are re-timed
+SLOW = 200  # ms: the anchor's delay, always, and the lucky plans' when they are re-timed
+GAP = 20
+"""ms between the delays of two plans: far beyond what a loaded host adds to a step (a few ms),
+so that the search orders the plans by their delays whatever the host's speed and load."""
 
 
 def _search(storage: str, delays: Path, **confirm: int) -> str:
-    """A finished search of the 3-layer MLP, each plan a distinct delay (8, 12, 16 … ms; the
+    """A finished search of the 3-layer MLP, each plan a distinct delay (8, 28, 48 … ms; the
     anchor, full remat, the slowest), not confirmed; the study's name."""
-    delays.write_text(json.dumps({p: SLOW if p == ANCHOR else 8 + 4 * i for i, p in enumerate(PLANS)}))
+    delays.write_text(json.dumps({p: SLOW if p == ANCHOR else 8 + GAP * i for i, p in enumerate(PLANS)}))
     remat_search.run(parse_spec(spec_dict(
         storage, workload={"factory": "tests.factories:delayed", "args": {"delays": str(delays)}},
         space={"layout": "per_layer", "choices": ["none", "full"]}, trials=6, confirm={"top": 0},
