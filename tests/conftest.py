@@ -49,14 +49,18 @@ def _signal_state() -> tuple[object, frozenset[signal.Signals]]:
     return signal.getsignal(signal.SIGINT), frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
+_SIGNALS_AT_START = _signal_state()
+
+
 @pytest.fixture(autouse=True)
 def _signals_as_found() -> Iterator[None]:
-    """Every test leaves SIGINT as it found it, handled and not blocked: a process the test
-    process starts inherits an ignored or blocked SIGINT, and Ctrl-C would not reach it (a
-    later test of the same pytest worker, whichever that is, would hang on it)."""
-    before = _signal_state()
+    """Every test, and every fixture, leaves SIGINT as the session found it, handled and not
+    blocked: a process the test process starts inherits an ignored or blocked SIGINT, and
+    Ctrl-C would not reach it (a later test of the same pytest worker, whichever that is,
+    would hang on it). Checked before each test (a fixture set up for it) and after it."""
+    assert _signal_state() == _SIGNALS_AT_START, f"SIGINT changed before this test: {_signal_state()}"
     yield
-    assert _signal_state() == before, f"this test left SIGINT changed: {before} -> {_signal_state()}"
+    assert _signal_state() == _SIGNALS_AT_START, f"this test changed SIGINT: {_signal_state()}"
 
 
 def spec_dict(storage: str, **overrides: Any) -> dict[str, Any]:

@@ -78,8 +78,13 @@ def test_ctrl_c_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path, s
             assert search.poll() is None, search.communicate()
             assert time.monotonic() < deadline, "no step ran"
             time.sleep(0.2)
+        # How the search takes signals, for the message should it not stop: SigBlk, SigIgn, SigCgt
+        takes = [line for line in Path(f"/proc/{search.pid}/status").read_text().splitlines() if line.startswith("Sig")]
         os.killpg(search.pid, signal.SIGINT)
-        stdout, stderr = search.communicate(timeout=120)
+        try:
+            stdout, stderr = search.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the search did not stop on SIGINT; its signals then: {'; '.join(takes)}")
     finally:  # however it failed: no search left running for the next test of this worker
         if search.poll() is None:
             os.killpg(search.pid, signal.SIGKILL)
