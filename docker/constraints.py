@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from packaging.utils import canonicalize_name  # the names pip and the registry compare
+
 DOCKER = Path(__file__).resolve().parent
 CONSTRAINTS = DOCKER / "constraints.txt"
 TARGETS = ("cpu", "tpu", "cuda")
@@ -38,11 +40,6 @@ HEADER = """\
 # lists the pins newer releases have overtaken. Do not edit by hand: change pyproject.toml,
 # install, run the script again.
 """
-
-
-def canonical(name: str) -> str:
-    """A distribution's canonical name (PEP 503), as pip and the registry compare them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pip(*args: str) -> str:
@@ -66,7 +63,7 @@ def resolve(constraints: Path | None = CONSTRAINTS) -> dict[str, str]:
         pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
             *(["-c", str(constraints)] if constraints is not None else []), f".[{extras}]")
         installs = json.loads(report.read_text())["install"]
-    found = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+    found = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
     del found["remat-search"]
     return found
 
@@ -78,7 +75,7 @@ def pins(constraints: Path = CONSTRAINTS) -> dict[str, str]:
     bad = [line for line in lines if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", line)]
     if bad:
         raise ValueError(f"{constraints}: expected name==version lines, got {bad}")
-    found = {canonical(name): version for name, version in (line.split("==") for line in lines)}
+    found = {canonicalize_name(name): version for name, version in (line.split("==") for line in lines)}
     if len(found) != len(lines):
         raise ValueError(f"{constraints}: a package pinned twice")
     return found

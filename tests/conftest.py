@@ -115,11 +115,20 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
     return invoke
 
 
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('remat_search.cli.app', run_name='__main__', alter_sys=True)"
+)
+"""``python -m remat_search.cli.app``, Ctrl-C handled as a terminal starts it: a test process
+started in the background of a script (``.ci/run &``) has SIGINT ignored, as POSIX shells ignore
+it for background jobs, and every process it starts would inherit that (the suite once failed so)."""
+
+
 def run_process(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
-    """Start ``remat-search ARGS`` as a separate process (for kill -9 and resume tests)."""
+    """Start ``remat-search ARGS`` as a separate process (for kill -9, Ctrl-C and resume tests)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "remat_search.cli.app", *args], cwd=REPO, env=env, text=True,
+        [sys.executable, "-c", AS_FROM_A_TERMINAL, *args], cwd=REPO, env=env, text=True,
         **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs},
     )
 

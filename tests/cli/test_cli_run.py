@@ -8,14 +8,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, TINY_TRANSFORMER, run_process, spec_dict, write_spec
+from tests.conftest import TINY_TRANSFORMER, run_process, spec_dict, write_spec
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +65,14 @@ def test_a_tpu_target_search_prints_no_libtpu_warnings_and_keeps_no_compilation_
 
 
 def test_ctrl_c_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path, storage_url: str) -> None:
-    """Ctrl-C in a terminal signals the whole process group: the search and its worker.
-
-    The search is started as a terminal starts it, Ctrl-C handled: a test process started in
-    the background of a script (``.ci/run &``) has SIGINT ignored, as POSIX shells ignore it
-    for background jobs, and every process it starts inherits that (the suite once failed so)."""
+    """Ctrl-C in a terminal signals the whole process group: the search and its worker
+    (started as from a terminal, Ctrl-C handled: :data:`tests.conftest.AS_FROM_A_TERMINAL`)."""
     started = tmp_path / "hanging"
     spec = write_spec(tmp_path / "spec.yaml", spec_dict(
         storage_url, trials=2, space={"layout": "uniform", "choices": ["none", "full"]},
         workload={"factory": "tests.factories:hanging", "args": {"started": str(started)}},
     ))
-    in_a_terminal = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
-        "from remat_search.cli.app import main; sys.argv[0] = 'remat-search'; main()"
-    search = subprocess.Popen(
-        [sys.executable, "-c", in_a_terminal, "run", str(spec)], cwd=REPO, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
+    search = run_process("run", str(spec), stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not started.exists():  # until a trial's step is running (and hangs)
