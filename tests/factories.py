@@ -274,6 +274,16 @@ def hanging(started: str | None = None) -> HangingMlp:
     return HangingMlp(started)
 
 
+def telling(variable: str) -> None:
+    """No workload: raises with what the worker it was built in started with (``variable`` in its
+    environment, JAX's ``jax_enable_x64``, read from ``JAX_ENABLE_X64`` when JAX is imported, and
+    whether a forkserver forked it), which the search reports as the workload's error."""
+    import psutil
+
+    forked = "forkserver" in " ".join(psutil.Process(os.getppid()).cmdline())
+    raise RuntimeError(f"{variable}={os.environ.get(variable)} x64={jax.config.jax_enable_x64} forked={forked}")
+
+
 def not_a_workload() -> dict:
     return {"layers": 3}
 

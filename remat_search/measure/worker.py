@@ -6,6 +6,7 @@ worker ends with its parent (within :data:`PARENT_POLL_SECONDS`)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -16,6 +17,8 @@ import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from remat_search.errors import RunError, SpecError, WorkloadError
 from remat_search.measure import protocol
@@ -42,10 +45,16 @@ def serve(
     where: tuple[TargetConfig, dict[str, int] | None],
     compilation_cache: str | None,
     parent_pid: int,
+    environment: dict[str, str],
     artifacts: str | None = None,
 ) -> None:
-    """The worker's loop: build the workload once, then measure plan after plan."""
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    """The worker's loop: build the workload once, then measure plan after plan.
+
+    ``environment``: the search's, as it was when it started this worker (a forked worker has
+    its forkserver's, from when that started)."""
+    os.environ.clear()
+    os.environ.update(environment)
+    threading.Thread(target=_exit_with_parent, args=(psutil.Process(parent_pid),), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the search, which stops the worker
     # libtpu locks a host against a second loader; compiling for a topology uses no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -199,9 +208,11 @@ def one_line(message: str) -> str:
     return said if len(said) <= MAX_REASON_CHARS else said[: MAX_REASON_CHARS - 1] + "…"
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """End the worker when the search process is gone (e.g. killed with SIGKILL): the worker
-    is reparented then, so ``getppid`` changes; checked every :data:`PARENT_POLL_SECONDS`."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_SECONDS)
+def _exit_with_parent(search: psutil.Process) -> None:
+    """End the worker when the search process is gone (e.g. killed with SIGKILL), checked every
+    :data:`PARENT_POLL_SECONDS`. The search, not this process's parent: a forked worker's parent
+    is the search's forkserver, which lives as long as any worker it forked does."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        while search.is_running() and search.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(PARENT_POLL_SECONDS)
     os._exit(1)

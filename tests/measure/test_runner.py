@@ -1,4 +1,4 @@
-"""The worker process: what it says of a candidate that raises."""
+"""The worker process: the environment it starts with, and what it says of a candidate that raises."""
 
 from __future__ import annotations
 
@@ -52,3 +52,30 @@ def test_a_re_timing_that_runs_past_the_timeout_kills_the_worker_and_says_so(sto
     with Runner(workload, timeout=2) as runner:
         with pytest.raises(RematSearchError, match=r"^confirm: re-timing timed out after 4 s \(timing\.timeout\); worker killed$"):
             runner.retime(plans, warmup=1, rounds=2)
+
+
+def test_each_worker_starts_with_the_environment_of_then_and_jax_reads_its_variables(
+    storage_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers are forked by a forkserver that imported JAX once, with the environment of when it
+    started; each worker takes the search's environment as it is when the worker starts, and
+    where a ``JAX_*`` variable (which JAX reads as it is imported) changed since, it is spawned
+    afresh so that JAX reads the new value (docs/api.md)."""
+    workload = parse_spec(spec_dict(
+        storage_url, workload={"factory": "tests.factories:telling", "args": {"variable": "REMAT_SEARCH_MARK"}},
+    )).workload
+
+    def told() -> str:
+        with Runner(workload, timeout=120) as runner, pytest.raises(RematSearchError) as raised:
+            runner.describe()
+        return str(raised.value).rpartition("RuntimeError: ")[2].removesuffix(")")
+
+    monkeypatch.delenv("JAX_ENABLE_X64", raising=False)
+    monkeypatch.delenv("REMAT_SEARCH_MARK", raising=False)
+    assert told() == "REMAT_SEARCH_MARK=None x64=False forked=True"  # the server may have started before
+    monkeypatch.setenv("REMAT_SEARCH_MARK", "set after the server started")
+    assert told() == "REMAT_SEARCH_MARK=set after the server started x64=False forked=True"
+    monkeypatch.setenv("JAX_ENABLE_X64", "1")
+    assert told() == "REMAT_SEARCH_MARK=set after the server started x64=True forked=False"
+    monkeypatch.delenv("JAX_ENABLE_X64")
+    assert told().endswith("x64=False forked=True")  # as the server has it again
