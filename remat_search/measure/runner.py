@@ -5,7 +5,7 @@ compile and run happens in a child process, never ``fork``ed from the search (JA
 workers are forked by multiprocessing's ``forkserver``, a clean process started once that has
 imported JAX and the workload modules already (:data:`PRELOAD`), so a new worker (each search's
 first, and every one after a crash) starts in a fraction of a second, where a ``spawn``ed one
-imports all of them again (about 1.4 s of CPU on this project's CI hosts). Each worker takes the
+imports all of them again (about 1.4 s on a 2-core host such as CI's). Each worker takes the
 search's environment as it is when the worker starts; where a variable JAX reads when it is
 imported (``JAX_*``) has changed since the server started, the worker is ``spawn``ed instead, so
 it reads the new value. The worker is reused from one candidate to the next; when it dies or runs past
@@ -15,7 +15,7 @@ error, an exception in the user's step (at trace time or, from a callback, as it
 timeout, a signal (a segfault; SIGKILL, which is how the kernel's OOM killer ends a process), or
 host memory past ``worker_memory``, which the parent watches (the worker's resident bytes; an
 address-space rlimit would not do: XLA reserves gigabytes of address space it never touches).
-The worker exits by itself within :data:`~remat_search.measure.worker.PARENT_POLL_SECONDS` of its parent's death, so no
+The worker exits by itself within :data:`~remat_search.measure.worker.PARENT_POLL_SECONDS` of the search's death, so no
 worker outlives the search that started it, however that search ends. With
 ``REMAT_SEARCH_DEBUG`` set, a candidate that raises in the worker carries the worker's own
 traceback in its error (after its first line), and the search prints it on stderr.

@@ -2,7 +2,7 @@
 workload and the target once, says what it runs on, then measures (or re-times) plan after
 plan as the runner asks, over the messages of :mod:`remat_search.measure.protocol`. A
 candidate that raises is a one-line failure (:func:`one_line`), never the worker's end; the
-worker ends with its parent (within :data:`PARENT_POLL_SECONDS`)."""
+worker ends with the search that started it (within :data:`PARENT_POLL_SECONDS`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from remat_search.spec.workloads import WorkloadConfig
 from remat_search.targets.base import Target, target_of
 
 PARENT_POLL_SECONDS = 0.25
-"""How often the worker checks that its parent, the search, is still alive."""
+"""How often the worker checks that the search that started it is still alive."""
 MAX_REASON_CHARS = 400
 DEBUG_ENV = "REMAT_SEARCH_DEBUG"
 """Set (to anything), the worker sends its own traceback with every failure."""
