@@ -4,8 +4,8 @@ A compiler crash, an out-of-memory kill or a hang must not take the study down, 
 compile and run happens in a child process, never ``fork``ed from the search (JAX is threaded):
 workers are forked by multiprocessing's ``forkserver``, a clean process started once that has
 imported JAX and the workload modules already (:data:`PRELOAD`), so a new worker (each search's
-first, and every one after a crash) starts in a fraction of a second, where a ``spawn``ed one
-imports all of them again (about 1.4 s on a 2-core host such as CI's). Each worker takes the
+first, and every one after a crash) does not import them again, as a ``spawn``ed one does (about
+1.4 s on a 2-core host such as CI's). Each worker takes the
 search's environment as it is when the worker starts; where a variable JAX reads when it is
 imported (``JAX_*``) has changed since the server started, the worker is ``spawn``ed instead, so
 it reads the new value. The worker is reused from one candidate to the next; when it dies or runs past
@@ -262,9 +262,7 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     global _SERVER_JAX_ENV
     if _SERVER_JAX_ENV is None:
         _SERVER_JAX_ENV = _jax_env()
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        return context
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     return multiprocessing.get_context("forkserver" if _jax_env() == _SERVER_JAX_ENV else "spawn")
 
 
