@@ -35,7 +35,6 @@ from remat_search.spec.models import TimingConfig
 from remat_search.targets.step_time import StepEstimate
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.local import LocalTarget
-from remat_search.targets.platform import compiler_options
 from remat_search.units import format_bytes
 
 KEPT_EXECUTABLES = 64
@@ -174,7 +173,7 @@ class Executables:
             abstract = workload.abstract_inputs(mesh)
             lowered = (workload.step(plan) if mesh is None else workload.step(plan, mesh)).lower(*abstract)
         try:
-            compiled = lowered.compile(compiler_options=compiler_options(self.target.platform) or None)
+            compiled = lowered.compile(compiler_options=workload.compiler_options(self.target.platform) or None)
         except Exception as e:
             oom = out_of_memory(e)
             if oom is None:
@@ -334,10 +333,14 @@ def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any
     still on the devices, and what the step did (on the host)."""
     import jax
 
+    def on_host(tree: Any) -> Any:  # a PRNG key (MaxText's state holds some) as its raw bits
+        bits = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
+        return jax.device_get(bits)
+
     state, batch = inputs
-    before = jax.device_get(state)
+    before = on_host(state)
     state, loss = executable(state, batch)
-    change = jax.tree.map(_change, jax.device_get(state), before)
+    change = jax.tree.map(_change, on_host(state), before)
     return (state, batch), FirstStep(change=change, loss=float(loss))
 
 

@@ -13,7 +13,7 @@ import math
 from remat_search.errors import SpecError
 from remat_search.plans.configuration import BATCH_AXES, Configuration
 from remat_search.spec.models import ConfigurationSpace, SearchSpec
-from remat_search.spec.workloads import FactoryConfig, MlpConfig, WorkloadConfig
+from remat_search.spec.workloads import FactoryConfig, MaxTextConfig, MlpConfig, WorkloadConfig
 
 
 def check_workload(spec: SearchSpec) -> None:
@@ -75,4 +75,8 @@ def sequence_of(workload: WorkloadConfig) -> int:
         return int(workload.args.get("seq_len", 1))
     if isinstance(workload, MlpConfig):
         return 1
+    if isinstance(workload, MaxTextConfig):  # MaxText's own, as its loader reads the spec's settings
+        from remat_search.workloads.maxtext import maxtext_config
+
+        return int(maxtext_config(workload, skip_jax_distributed_system=True).max_target_length)
     return workload.seq_len

@@ -38,8 +38,10 @@ def load_spec(
     if not isinstance(data, dict):
         raise SpecError(f"spec: {str(path)!r} must be a YAML mapping of fields, got {type(data).__name__}")
     workload = data.get("workload")
-    if isinstance(workload, dict) and isinstance(workload.get("params_from"), str):
-        data["workload"] = {**workload, "params_from": str(path.parent / os.path.expanduser(workload["params_from"]))}
+    if isinstance(workload, dict):  # paths the workload names are relative to the spec's folder
+        relative = {k: str(path.parent / os.path.expanduser(v)) for k, v in workload.items()
+                    if k in ("params_from", "config") and isinstance(v, str) and (k != "config" or workload.get("kind") == "maxtext")}
+        data["workload"] = {**workload, **relative}
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage:
         data["storage"] = storage

@@ -1,4 +1,4 @@
-"""The workloads a spec may name: the built-in kinds' configs (transformer, mlp, nnx, linen) and a
+"""The workloads a spec may name: the built-in kinds' configs (transformer, mlp, nnx, linen, maxtext) and a
 factory's, with the mesh axes and logical axis rules they are sharded by."""
 
 from __future__ import annotations
@@ -238,6 +238,32 @@ class LinenConfig(_WorkloadConfig):
         return self
 
 
+class MaxTextConfig(_WorkloadConfig):
+    """MaxText's own model and train step (see ``workloads/maxtext.py``), named as MaxText names
+    it: ``model_name`` (``llama3.1-8b``) or a ``config`` file, plus ``overrides`` (any key of
+    MaxText's config, as its train command takes them). MaxText checks them: a key or value it
+    refuses is a spec error quoting its reason."""
+
+    kind: Literal["maxtext"]
+    model_name: str | None = None
+    """MaxText's ``model_name`` (its ``configs/models/``); None: the config's own."""
+    config: str | None = None
+    """A MaxText config file (YAML); None: MaxText's ``base.yml``. Relative to the spec's folder
+    in a spec file."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """MaxText settings over the config's, e.g. ``{max_target_length: 2048, attention: flash}``.
+    A candidate's remat, batch and mesh settings are laid over these."""
+
+    @field_validator("config")
+    @classmethod
+    def _config_absolute(cls, value: str | None) -> str | None:
+        return None if value is None else os.path.abspath(os.path.expanduser(value))
+
+    def model_keys(self) -> dict[str, Any]:
+        """The keys given to MaxText's loader: ``model_name`` (where given), then the overrides."""
+        return {**({"model_name": self.model_name} if self.model_name else {}), **self.overrides}
+
+
 def _workload_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         return "factory" if "factory" in value else value.get("kind")
@@ -251,10 +277,11 @@ WorkloadConfig = Annotated[
     | Annotated[MlpConfig, Tag("mlp")]
     | Annotated[NnxConfig, Tag("nnx")]
     | Annotated[LinenConfig, Tag("linen")]
+    | Annotated[MaxTextConfig, Tag("maxtext")]
     | Annotated[FactoryConfig, Tag("factory")],
     Discriminator(
         _workload_tag,
         custom_error_type="workload_kind",
-        custom_error_message="expected kind: transformer, mlp, nnx or linen, or factory: 'package.module:function'",
+        custom_error_message="expected kind: transformer, mlp, nnx, linen or maxtext, or factory: 'package.module:function'",
     ),
 ]

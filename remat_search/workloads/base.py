@@ -28,7 +28,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.workloads import FactoryConfig, WorkloadConfig
+from remat_search.spec.workloads import FactoryConfig, MaxTextConfig, WorkloadConfig
 from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.workloads.sharding import own_shardings, split_batch_over
 
@@ -97,6 +97,18 @@ class Workload(abc.ABC):
     @abc.abstractmethod
     def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
         """The scalar loss ``(params, batch) -> loss`` with each layer wrapped by ``plan``."""
+
+    def baseline_plan(self) -> RematPlan:
+        """The plan the step is traced with to fingerprint it and read its tensor names: no
+        remat (a workload that cannot run without it, MaxText's, says another)."""
+        return RematPlan.uniform("none", self.layers)
+
+    def compiler_options(self, platform: str) -> dict[str, str]:
+        """The options every plan of it is compiled with (:func:`targets.platform.compiler_options`;
+        MaxText's workload compiles with MaxText's own)."""
+        from remat_search.targets.platform import compiler_options
+
+        return compiler_options(platform)
 
     def optimizer(self) -> optax.GradientTransformation:
         """The optimizer whose state the step carries (AdamW by default, as real runs use)."""
@@ -311,10 +323,16 @@ def build_workload(config: WorkloadConfig, configuration: Configuration | None =
     factory raises :class:`WorkloadError`, a ``params_from`` that is no Orbax checkpoint
     :class:`SpecError` (whether the model fits the checkpoint is told by
     :func:`check_params_from`, once the workload has its mesh)."""
-    if configuration is not None and isinstance(config, FactoryConfig):
+    if configuration is not None and isinstance(config, MaxTextConfig):
+        pass
+    elif configuration is not None and isinstance(config, FactoryConfig):
         config = config.model_copy(update={"args": {**config.args, "batch": configuration.global_batch}})
     elif configuration is not None:
         config = config.model_copy(update={"batch": configuration.global_batch})
+    if isinstance(config, MaxTextConfig):  # MaxText sets the batch itself, from the configuration's settings
+        from remat_search.workloads.maxtext import MaxTextWorkload
+
+        return MaxTextWorkload(config, configuration)
     if isinstance(config, FactoryConfig):
         workload = _from_factory(config)
     else:

@@ -24,13 +24,13 @@ class TracedStep(NamedTuple):
 
 
 def trace_step(workload: Workload) -> TracedStep:
-    """Trace ``workload``'s no-remat step (within its :meth:`Workload.tracing` context)."""
+    """Trace ``workload``'s step of its baseline plan (no remat) (within its :meth:`Workload.tracing` context)."""
     import jax
 
     try:
         with workload.tracing():
             state, batch = workload.abstract_inputs()
-            jaxpr = jax.make_jaxpr(workload.step(RematPlan.uniform("none", workload.layers)))(state, batch)
+            jaxpr = jax.make_jaxpr(workload.step(workload.baseline_plan()))(state, batch)
     except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
         return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
     return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))

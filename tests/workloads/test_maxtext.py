@@ -1,0 +1,129 @@
+"""``kind: maxtext``: MaxText's own model and train step, searched; each trial's peak is MaxText's
+own compile of the same settings (``maxtext_reference``), on the CPU and on a ``v5e:2x2`` TPU
+topology ahead of time, a tensor-parallel mesh included; and what a spec MaxText refuses gets.
+
+MaxText needs Python ≥ 3.12 (the ``maxtext`` extra): where it is not installed, only the test of
+that refusal runs here (the others are skipped with the reason)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from remat_search.plans.export import maxtext
+from remat_search.plans.plan import RematPlan
+from remat_search.store.attributes import PLAN_ATTR
+from remat_search.workloads.maxtext import installed
+
+from tests.conftest import REPO, run_process, spec_dict, write_spec
+
+pytestmark = pytest.mark.slow  # MaxText's import alone takes 10-40 s
+needs_maxtext = pytest.mark.skipif(not installed(), reason="MaxText is not installed (pip install 'remat-search[maxtext]', Python ≥ 3.12)")
+
+TINY = {  # a 2-layer MaxText decoder small enough to compile in seconds
+    "base_emb_dim": 64, "base_num_query_heads": 4, "base_num_kv_heads": 4, "base_mlp_dim": 128, "head_dim": 16,
+    "base_num_decoder_layers": 2, "vocab_size": 256, "max_target_length": 32, "per_device_batch_size": 1,
+    "dataset_type": "synthetic", "enable_checkpointing": False, "attention": "dot_product",
+}
+CHOICES = ["full", {"label": "save_qkv_proj", "names": ["query_proj", "key_proj", "value_proj"]},
+           {"label": "save_out_proj", "names": ["out_proj"]}]
+
+
+def maxtext_spec(tmp_path: Path, **overrides: object) -> dict:
+    return spec_dict(f"sqlite:///{tmp_path / 'studies.db'}", **{
+        "study": "mt", "workload": {"kind": "maxtext", "overrides": TINY},
+        "space": {"layout": "uniform", "choices": CHOICES}, "trials": 3, "sampler": {"kind": "tpe", "seed": 0},
+        "confirm": {"top": 0}, "timing": {"warmup": 1, "repeats": 2, "timeout": "600s"}, **overrides,
+    })
+
+
+def searched(tmp_path: Path, spec: dict) -> list[optuna.trial.FrozenTrial]:
+    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    out = search.communicate(timeout=1200)[0]
+    assert search.returncode == 0, out[-4000:]
+    study = optuna.load_study(study_name="mt", storage=spec["storage"])
+    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def maxtexts_own(settings: list[str], devices: int = 1) -> dict:
+    """MaxText's own compile of ``settings`` (``maxtext_reference``), its memory."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.workloads.maxtext_reference", *settings], cwd=REPO, capture_output=True,
+        text=True, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(REPO), "DEVICES": str(devices)},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("MEMORY "))
+    return json.loads(line.removeprefix("MEMORY "))
+
+
+def as_args(settings: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+@needs_maxtext
+def test_on_cpu_each_trial_s_peak_is_maxtext_s_own_compile_of_its_settings(tmp_path: Path) -> None:
+    trials = searched(tmp_path, maxtext_spec(tmp_path))
+    assert len(trials) == 3
+    for trial in trials:
+        plan = RematPlan.from_json(trial.user_attrs[PLAN_ATTR])
+        own = maxtexts_own(as_args({**TINY, **maxtext(plan), "hardware": "cpu", "skip_jax_distributed_system": True}))
+        peak = own["argument"] + own["output"] - own["alias"] + own["temp"]  # the CPU compiler states no peak
+        assert trial.values[1] == peak, (plan.summary(), trial.values, own)
+        measured = json.loads(trial.user_attrs["measurement"])  # run, and its first step checked against full remat's
+        assert measured["grad_reference"] == "full" and measured["grad_rel_error"] < 1e-3, measured
+
+
+@needs_maxtext
+def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile_s_own(tmp_path: Path) -> None:
+    spec = maxtext_spec(
+        tmp_path, target={"platform": "tpu", "topology": "v5e:2x2"}, trials=2, space={"layout": "uniform", "choices": CHOICES[:2]},
+        configuration={"batch": [2], "mesh": [{"fsdp": 2, "tensor": 2}]},  # MaxText's ici_tensor_parallelism: 2
+    )
+    trials = searched(tmp_path, spec)
+    assert len(trials) == 2, [t.user_attrs for t in optuna.load_study(study_name="mt", storage=spec["storage"]).trials]
+    for trial in trials:
+        plan = RematPlan.from_json(trial.user_attrs[PLAN_ATTR])
+        assert plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2}
+        own = maxtexts_own(as_args({**TINY, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1,
+                                    "skip_jax_distributed_system": True}))
+        assert trial.values[1] == own["peak"], (plan.summary(), trial.values, own)
+
+
+@needs_maxtext
+def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext_exit_2_nothing_written(tmp_path: Path) -> None:
+    spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", "overrides": {**TINY, "bogus_key": 1}})
+    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    out = search.communicate(timeout=600)[0]
+    assert search.returncode == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "MaxText refuses the settings: 'bogus_key' not in" in errors[0], out
+    assert not (tmp_path / "studies.db").exists()
+
+
+BLOCK_MAXTEXT = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "maxtext" or name.startswith("maxtext."):
+            raise ModuleNotFoundError("No module named 'maxtext'")
+sys.meta_path.insert(0, Blocker())
+from remat_search.cli.app import main
+sys.argv = ["remat-search", *sys.argv[1:]]
+main()
+"""
+
+
+def test_without_maxtext_a_maxtext_spec_is_one_line_naming_the_install_exit_2_nothing_written(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", maxtext_spec(tmp_path))
+    done = subprocess.run([sys.executable, "-c", BLOCK_MAXTEXT, "run", str(spec)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'remat-search[maxtext]'" in lines[0], done.stderr
+    assert not (tmp_path / "studies.db").exists()
