@@ -174,8 +174,10 @@ def test_a_real_study_s_best_json_is_best_plan_s_and_runs_in_a_snippet(
 
 
 def test_on_cpu_the_memory_optimised_scheduler_shows_remat_s_savings() -> None:
-    """README: by default XLA's CPU scheduler keeps alive most of what full remat frees (the
-    tiny transformer: 1% less than no remat), with ``rs.compiler_options("cpu")`` it does not (30%)."""
+    """docs/api.md: with ``rs.compiler_options("cpu")`` (the memory-optimised scheduler) every
+    policy's peak is lower than with XLA's default CPU scheduler, and full remat's is at least a
+    quarter below no remat's (the tiny transformer: 30% on jaxlib 0.10, whose default scheduler
+    left it 1% below; 27% on 0.12, whose default shows 31% but from higher peaks)."""
     from remat_search.spec.workloads import TransformerConfig
     from tests.conftest import TINY_TRANSFORMER
 
@@ -187,9 +189,10 @@ def test_on_cpu_the_memory_optimised_scheduler_shows_remat_s_savings() -> None:
         lowered = workload.step(rs.RematPlan.uniform(policy, workload.layers)).lower(*workload.abstract_inputs())
         return rs.MemoryBreakdown.of(lowered.compile(compiler_options=options), platform="cpu").peak
 
-    by_default = peak("none", None) - peak("full", None)
-    optimised = peak("none", rs.compiler_options("cpu")) - peak("full", rs.compiler_options("cpu"))
-    assert 0 <= by_default < optimised / 10
+    default = {policy: peak(policy, None) for policy in ("none", "full")}
+    optimised = {policy: peak(policy, rs.compiler_options("cpu")) for policy in ("none", "full")}
+    assert all(optimised[p] < default[p] for p in default), (optimised, default)
+    assert optimised["full"] <= 0.75 * optimised["none"], optimised
 
 
 def test_a_step_compiled_with_compiler_options_has_the_study_s_memory_to_the_byte(tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def _cpu_only_host() -> bool:
     look for TPUs, and libtpu prints TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings."""
     import importlib.util
 
-    from remat_search.targets.tpu import tpu_chips_attached
+    from remat_search.targets.platform import tpu_chips_attached
 
     plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
     return not plugins and tpu_chips_attached() == 0

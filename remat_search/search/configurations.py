@@ -76,7 +76,7 @@ def sequence_of(workload: WorkloadConfig) -> int:
     if isinstance(workload, MlpConfig):
         return 1
     if isinstance(workload, MaxTextConfig):  # MaxText's own, as its loader reads the spec's settings
-        from remat_search.workloads.maxtext import maxtext_config
+        from remat_search.spec.maxtext import maxtext_config
 
-        return int(maxtext_config(workload, skip_jax_distributed_system=True).max_target_length)
+        return int(maxtext_config(workload).max_target_length)
     return workload.seq_len

@@ -9,6 +9,9 @@ so every layer may ask it.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Literal, get_args
 
 Platform = Literal["cpu", "gpu", "tpu"]
@@ -53,7 +56,7 @@ def compiler_options(platform: str) -> dict[str, str]:
     """The compiler options remat-search compiles plans for ``platform`` (``cpu``, ``gpu``,
     ``tpu``: ``jax.default_backend()``) with: on CPU the memory-optimised scheduler, which is
     what shows remat's savings there (XLA's default CPU scheduler orders work for concurrency
-    and keeps what remat would free alive); none elsewhere. A training script that compiles its
+    and keeps more of what remat would free alive); none elsewhere. A training script that compiles its
     step with them (``lowered.compile(compiler_options=...)``) gets the memory the study
     measured for its plan, to the byte."""
     return dict(CPU_COMPILER_OPTIONS) if is_cpu(platform) else {}
@@ -63,3 +66,37 @@ def compiler_package_names(platform: str) -> tuple[str, ...]:
     """The packages whose versions say what compiles plans for ``platform``: jaxlib (XLA, whose
     CPU compiler it carries), libtpu for TPU, the CUDA plugins for GPU."""
     return ("jaxlib", *(("libtpu",) if is_tpu(platform) else CUDA_PLUGINS if is_gpu(platform) else ()))
+
+
+QUIET_LIBTPU = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+"""What libtpu is told while it loads on a host without TPUs (where these are unset)."""
+
+
+@contextlib.contextmanager
+def quiet_libtpu() -> Iterator[None]:
+    """Within it, libtpu loads without its warnings on a host with no TPU.
+
+    libtpu, loaded where no TPU is, asks the cloud's metadata for one and warns in five lines
+    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES). Told it is a host of some TPU kind while it
+    loads (:data:`QUIET_LIBTPU`, where those are unset), it says nothing; the kind decides nothing
+    of what it compiles (the same optimized HLO for v4, v5e, v5p and v6e topologies, told
+    v5litepod-4 or not)."""
+    quiet = QUIET_LIBTPU if tpu_chips_attached() == 0 else {}
+    before = {name: os.environ.get(name) for name in quiet}
+    os.environ.update({name: value for name, value in quiet.items() if before[name] is None})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def tpu_chips_attached() -> int | None:
+    """How many TPU chips this host has, by JAX's own PCI check (None where that check moved
+    in another JAX): none, and libtpu only compiles here."""
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+    except ImportError:
+        return None
+    return num_available_tpu_chips_and_device_id()[0]

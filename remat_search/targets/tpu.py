@@ -5,13 +5,13 @@ nothing is allocated or executed, and a step's time is estimated
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from remat_search.errors import RunError, SpecError
 from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
+from remat_search.targets.platform import quiet_libtpu, tpu_chips_attached
 from remat_search.targets.step_time import CHIPS, StepEstimate, estimate_step
 from remat_search.units import size_argument
 
@@ -57,10 +57,6 @@ class TpuAotTarget(Target):
         return estimate_step(hlo, self.chip, cost)
 
 
-QUIET_LIBTPU = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
-"""What libtpu is told while it loads on a host without TPUs (where these are unset)."""
-
-
 def _topology_devices(topology: str) -> list[Any]:
     """A TPU topology's devices, from libtpu (none allocated)."""
     try:
@@ -72,32 +68,12 @@ def _topology_devices(topology: str) -> list[Any]:
         ) from None
     from jax.experimental import topologies
 
-    # libtpu, loaded where no TPU is, asks the cloud's metadata for one and warns in five lines
-    # (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES). Told it is a host of some TPU kind while it
-    # loads, it says nothing; the kind decides nothing of what it compiles (the same optimized
-    # HLO for v4, v5e, v5p and v6e topologies, told v5litepod-4 or not).
-    quiet = QUIET_LIBTPU if tpu_chips_attached() == 0 else {}
-    before = {name: os.environ.get(name) for name in quiet}
-    os.environ.update({name: value for name, value in quiet.items() if before[name] is None})
     try:
-        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        with quiet_libtpu():
+            return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu says what is wrong with the name
         first = str(e).strip().splitlines()[0]
         raise SpecError(f"spec.target.topology: libtpu does not know {topology!r} ({first})") from None
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-
-
-def tpu_chips_attached() -> int | None:
-    """How many TPU chips this host has, by JAX's own PCI check (None where that check moved
-    in another JAX): none, and libtpu only compiles here."""
-    try:
-        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
-    except ImportError:
-        return None
-    return num_available_tpu_chips_and_device_id()[0]
 
 
 def probe_hbm(mesh: Any) -> int:

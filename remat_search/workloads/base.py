@@ -3,7 +3,7 @@
 A workload is a loss over repeated layers, its parameters, an example batch and an
 optimizer. From those, :class:`Workload` builds what the runner compiles, runs, checks and
 times: a donated training step (``step``).
-Built-in kinds are ``transformer``, ``mlp``, ``nnx`` and ``linen``, found through :data:`BUILTIN_WORKLOADS`
+Built-in kinds are ``transformer``, ``mlp``, ``nnx``, ``linen`` and ``maxtext``, found through :data:`BUILTIN_WORKLOADS`
 (their modules build on this one); a user workload is any subclass returned by the factory
 the spec names (``factory: "package.module:function"``). JAX is imported when a workload
 is built, not with this module: reading studies needs none. How the state and batch are split
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.configuration import Configuration
+from remat_search.plans.export import maxtext_configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import FactoryConfig, MaxTextConfig, WorkloadConfig
 from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
@@ -43,6 +44,7 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "mlp": "remat_search.workloads.mlp:MlpWorkload",
     "nnx": "remat_search.workloads.nnx:NnxWorkload",
     "linen": "remat_search.workloads.linen:LinenWorkload",
+    "maxtext": "remat_search.workloads.maxtext:MaxTextWorkload",
 }
 """The built-in workload classes by spec ``kind``, as ``module:Class`` (each takes its config)."""
 
@@ -323,16 +325,12 @@ def build_workload(config: WorkloadConfig, configuration: Configuration | None =
     factory raises :class:`WorkloadError`, a ``params_from`` that is no Orbax checkpoint
     :class:`SpecError` (whether the model fits the checkpoint is told by
     :func:`check_params_from`, once the workload has its mesh)."""
-    if configuration is not None and isinstance(config, MaxTextConfig):
-        pass
+    if configuration is not None and isinstance(config, MaxTextConfig):  # MaxText's own settings of it
+        config = config.model_copy(update={"overrides": {**config.overrides, **maxtext_configuration(configuration)}})
     elif configuration is not None and isinstance(config, FactoryConfig):
         config = config.model_copy(update={"args": {**config.args, "batch": configuration.global_batch}})
     elif configuration is not None:
         config = config.model_copy(update={"batch": configuration.global_batch})
-    if isinstance(config, MaxTextConfig):  # MaxText sets the batch itself, from the configuration's settings
-        from remat_search.workloads.maxtext import MaxTextWorkload
-
-        return MaxTextWorkload(config, configuration)
     if isinstance(config, FactoryConfig):
         workload = _from_factory(config)
     else:

@@ -2,81 +2,46 @@
 dtypes, attention, scan, logical axis rules and mesh, built by the functions MaxText's
 ``train_compile`` calls, so that a trial's peak is MaxText's own compile of the same settings.
 
-A candidate is a set of MaxText settings: the plan's ``remat_policy`` (and ``custom`` names)
-and its configuration's ``per_device_batch_size``, ``gradient_accumulation_steps`` and
-``ici_*_parallelism`` (:func:`plans.export.maxtext`), laid over the spec's ``overrides``. MaxText
+A candidate is a set of MaxText settings: the plan's ``remat_policy`` (and ``custom`` names,
+:func:`plans.export.maxtext_remat`) laid over the spec's ``overrides``, which hold its
+configuration's ``per_device_batch_size``, ``gradient_accumulation_steps`` and
+``ici_*_parallelism`` (``build_workload``, :func:`plans.export.maxtext_configuration`). MaxText
 builds the mesh from them over the target's devices, so tensor and sequence parallelism are
 its own. MaxText scans its decoder layers (``scan_layers: true``, its default): one policy for
 every layer, so a study of it searches uniform plans. MaxText needs Python ≥ 3.12 and is the
 ``maxtext`` extra (``pip install 'remat-search[maxtext]'``); it is imported in the worker that
-compiles, and, to check the spec, in the search (:func:`maxtext_config`).
+compiles, and, to check the spec, in the search (:func:`spec.maxtext.maxtext_config`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError
-from remat_search.plans.configuration import Configuration
-from remat_search.plans.export import maxtext
+from remat_search.plans.export import maxtext_remat
 from remat_search.plans.plan import RematPlan
+from remat_search.spec.maxtext import maxtext_config, refusal
 from remat_search.spec.workloads import MaxTextConfig
 from remat_search.workloads.base import Workload
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-INSTALL = "pip install 'remat-search[maxtext]' (MaxText needs Python ≥ 3.12)"
 LOSS = ("scalar", "learning/loss")
 """Where MaxText's train step puts the loss among its metrics."""
-
-
-def installed() -> bool:
-    """Whether MaxText can be imported here (without importing it)."""
-    try:
-        return importlib.util.find_spec("maxtext") is not None
-    except (ImportError, ValueError):  # a finder that refuses it, or a module left half-imported
-        return False
-
-
-def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None, **more: Any) -> Any:
-    """MaxText's config (``pyconfig.initialize``, MaxText's own loader) of the spec's workload with
-    ``settings`` (a candidate's) laid over its overrides: a one-line :class:`SpecError` quoting
-    MaxText's reason where it refuses a key or a value."""
-    if not installed():
-        raise SpecError(f"spec.workload: kind maxtext needs MaxText; install it with: {INSTALL}")
-    from maxtext.trainers.pre_train import train  # noqa: F401 - before pyconfig: MaxText's import order
-    from maxtext.configs import pyconfig
-
-    base = config.config or os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
-    keys = {**config.model_keys(), **(settings or {}), **more}
-    try:
-        return pyconfig.initialize(["remat-search", base], **keys)
-    except Exception as e:  # noqa: BLE001 - MaxText's own refusal, told in one line
-        raise SpecError(f"spec.workload: MaxText refuses the settings: {refusal(e)}") from None
-
-
-def refusal(error: BaseException) -> str:
-    """MaxText's reason in one line: a pydantic error's field and message, else the first line."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if type(error).__name__ == "ValidationError" and len(lines) >= 3:
-        message = f"{lines[1]}: {lines[2].split(' [type=')[0]}"
-    else:
-        message = lines[0] if lines else type(error).__name__
-    return message if len(message) <= 300 else message[:297] + "..."
 
 
 class MaxTextWorkload(Workload):
     """MaxText's train step for the spec's model and settings, one program per candidate."""
 
-    def __init__(self, config: MaxTextConfig, configuration: Configuration | None = None) -> None:
-        self.config, self._configuration = config, configuration
-        base = maxtext_config(config, **_QUIET)
+    def __init__(self, config: MaxTextConfig) -> None:
+        """``config``: with a configuration's settings among its overrides (``build_workload``)."""
+        self.config = config
+        base = maxtext_config(config)
         self.name = f"maxtext {config.model_name or os.path.basename(config.config or 'base.yml')}"
         self.layers = int(base.num_decoder_layers)
         self.tensor_names = frozenset(remat_names())
@@ -101,10 +66,9 @@ class MaxTextWorkload(Workload):
         return RematPlan.uniform("full", self.layers)
 
     def _program(self, plan: RematPlan) -> _Program:
-        """What MaxText builds for ``plan`` at the workload's configuration (built once)."""
-        if plan.configuration is None and self._configuration is not None:
-            plan = plan.model_copy(update={"configuration": self._configuration})
-        settings = maxtext(plan)
+        """What MaxText builds for ``plan``'s remat settings (built once; the configuration's
+        are the workload's overrides)."""
+        settings = maxtext_remat(plan)
         key = repr(sorted(settings.items()))
         if key not in self._built:
             self._built[key] = _Program(self.config, settings, self._devices or [])
@@ -151,10 +115,6 @@ class MaxTextWorkload(Workload):
         return hashlib.sha256(repr((_version(), self.config.model_dump_json())).encode()).hexdigest()[:16]
 
 
-_QUIET = {"skip_jax_distributed_system": True}
-"""No ``jax.distributed`` join: remat-search's worker compiles alone (a slice is another issue)."""
-
-
 def remat_names() -> tuple[str, ...]:
     """The tensor names MaxText's ``remat_policy: custom`` sets one by one (its config's fields
     whose values are ``remat`` / ``device`` / ``offload``), read from the installed MaxText."""
@@ -186,7 +146,7 @@ class _Program:
         # MaxText counts the devices it builds for: the local ones, or, compiling for a topology
         # (train_compile's compile_topology), the topology's: given as such (internal_compile).
         count = {} if platform == "cpu" else {"internal_compile": True, "internal_compile_num_devices": len(devices)}
-        config = maxtext_config(spec, settings, **_QUIET, **count, hardware="cpu" if platform == "cpu" else platform)
+        config = maxtext_config(spec, settings, **count, hardware="cpu" if platform == "cpu" else platform)
         jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
         axis_type = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
         try:

@@ -24,6 +24,9 @@ from tests.factories import miscomputing, recording
 
 QKV = LayerPolicy(kind="names", names=("query_proj", "key_proj", "value_proj"))
 ATTN = LayerPolicy(kind="names", names=("context", "out_proj"))
+OUT = LayerPolicy(kind="names", names=("out_proj",))
+"""Below full remat's peak on the tiny transformer, on jaxlib 0.10 and 0.12 alike (saving both
+attention names is below it on 0.10, level with it on 0.12)."""
 POLICIES = {
     "none": "none", "full": "full", "dots": "dots", "dots_no_batch": "dots_no_batch", "save_qkv": QKV, "save_attn": ATTN,
 }
@@ -108,10 +111,10 @@ def test_over_budget_plan_is_compiled_but_not_run(tmp_path: Path) -> None:
 def test_where_full_remat_does_not_fit_a_plan_that_fits_runs_unchecked(
     executables: Executables, measured: dict[str, Measurement]
 ) -> None:
-    attn, full = measured["save_attn"].peak_bytes, measured["full"].peak_bytes
-    assert attn < full  # on this model, saving two names takes less than recomputing everything
+    out, full = executables.build(RematPlan.uniform(OUT, executables.workload.layers)).memory.peak, measured["full"].peak_bytes
+    assert out < full  # on this model, saving the attention's output takes less than recomputing everything
     m = measure(
-        executables, RematPlan.uniform(ATTN, executables.workload.layers), budget=attn,
+        executables, RematPlan.uniform(OUT, executables.workload.layers), budget=out,
         timing=TimingConfig(warmup=1, repeats=2), gradient_tolerance=1e-4,
     )
     assert m.status == "measured" and len(m.step_times) == 2
@@ -158,15 +161,15 @@ def test_retime_runs_the_kept_executables_in_a_shuffled_order_each_round(tmp_pat
 def test_show_says_when_a_plan_ran_unchecked(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
     workload = build_workload(TransformerConfig(**TINY_TRANSFORMER))
     executables = Executables(workload)
-    attn = executables.build(RematPlan.uniform(ATTN, workload.layers)).memory.peak
+    out = executables.build(RematPlan.uniform(OUT, workload.layers)).memory.peak
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     remat_search.run(parse_spec(spec_dict(
-        storage, space={"layout": "uniform", "choices": ["full", {"label": "save_attn", "names": ["context", "out_proj"]}]},
-        budget=attn, trials=2, confirm={"top": 0},
+        storage, space={"layout": "uniform", "choices": ["full", {"label": "save_out", "names": ["out_proj"]}]},
+        budget=out, trials=2, confirm={"top": 0},
     )))
     shown = cli("show", "--study", "tiny", "--trial", "1", "--storage", storage)
     assert shown.exit_code == 0, shown.stderr
-    assert "save_attn" in shown.stdout and "measured" in shown.stdout
+    assert "save_out" in shown.stdout and "measured" in shown.stdout
     assert "gradients not checked: the reference, full remat, needs" in " ".join(shown.stdout.split())
     full = cli("show", "--study", "tiny", "--trial", "0", "--storage", storage).stdout
     table = " ".join(cli("show", "--study", "tiny", "--storage", storage).stdout.split())

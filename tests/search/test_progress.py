@@ -36,7 +36,9 @@ def _study_mid_search(url: str) -> None:
     with engine.begin() as db:
         for number, seconds in ((0, 10), (1, 20), (2, 30), (3, 500)):
             db.execute(
-                sqlalchemy.text("UPDATE trials SET datetime_start = :start, datetime_complete = :end WHERE number = :n"),
+                sqlalchemy.text("UPDATE trials SET datetime_start = :start, datetime_complete = :end WHERE number = :n")
+                .bindparams(sqlalchemy.bindparam("start", type_=sqlalchemy.DateTime),  # SQLAlchemy's own conversion:
+                            sqlalchemy.bindparam("end", type_=sqlalchemy.DateTime)),   # sqlite3's adapter is deprecated (3.12)
                 {"start": START, "end": START + datetime.timedelta(seconds=seconds), "n": number},
             )
     engine.dispose()

@@ -41,14 +41,15 @@ def _compiled(log: Path) -> list[str]:
 def _assert_compiled_once_per_worker(log: Path, none: str) -> None:
     """In each worker process, every plan was lowered at most once, and the loss was traced
     by nothing else: once a lowering, plus the no-remat step's jaxpr (the program fingerprint,
-    never compiled) once a worker."""
+    never compiled) at most once a worker (jax 0.10 traces it for both; with jax 0.12 a worker
+    was seen tracing the no-remat loss once for the jaxpr and its lowering together)."""
     events = _events(log)
     lowered = Counter((digest, pid) for what, digest, pid in events if what == "lower")
     traced = Counter((digest, pid) for what, digest, pid in events if what == "trace")
     workers = {pid for _, _, pid in events}
     assert os.getpid() not in workers  # the search process compiles nothing
     assert max(lowered.values()) == 1, lowered
-    assert traced == lowered + Counter((none, pid) for pid in workers)
+    assert lowered <= traced <= lowered + Counter((none, pid) for pid in workers), (traced, lowered)
 
 
 def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path, storage_url: str) -> None:
@@ -73,7 +74,9 @@ def test_a_plan_is_compiled_once_across_trials_reruns_and_studies(tmp_path: Path
     assert len(again.trials) == 3 and _compiled(log) == compiled  # a finished, confirmed search: nothing
 
     by_label = {t.labels[0]: t for t in first.trials}
-    budget = by_label["full"].peak_bytes + 1  # no remat does not fit the new study's budget
+    # full and dots fit the new study's budget, no remat does not (which of the two is lower is
+    # XLA's: full on jaxlib 0.10, dots on 0.12)
+    budget = max(by_label["full"].peak_bytes, by_label["dots"].peak_bytes) + 1
     second = remat_search.run(parse_spec(spec_dict(
         storage_url, study="second", workload=workload, space=space, trials=3, budget=budget, confirm=confirm,
     )))
@@ -243,17 +246,19 @@ def test_a_study_made_again_under_its_name_takes_its_old_measurements_from_the_c
 
 @pytest.mark.parametrize("anchor", [True, False])
 def test_timing_against_the_anchor_cancels_a_busy_spell(tmp_path: Path, storage_url: str, anchor: bool) -> None:
-    """`none` is timed while the machine is busy (+40 ms on every step), `full` (10 ms slower
-    in truth) after: alone, the busy spell ranks full first; against the anchor, none."""
+    """`none` is timed while the machine is busy (+400 ms on every step), `full` (100 ms slower
+    in truth) after: alone, the busy spell ranks full first; against the anchor, none. The
+    delays are far above what a loaded host adds to the tiny MLP's steps (40 and 10 ms were not:
+    with both cores busy, an anchored pair once came out 0.5 ms the other way)."""
     delays = tmp_path / "delays.json"
     workload = {"factory": "tests.factories:delayed", "args": {"delays": str(delays)}}
     spec = spec_dict(
         storage_url, workload=workload, space={"layout": "uniform", "choices": ["none", "full"]},
         timing={"warmup": 1, "repeats": 3, "anchor": anchor}, confirm={"top": 0},
     )
-    delays.write_text(json.dumps({"full×3": 10, "*": 40}))
+    delays.write_text(json.dumps({"full×3": 100, "*": 400}))
     remat_search.run(parse_spec({**spec, "trials": 1}))  # the first preset, none×3
-    delays.write_text(json.dumps({"full×3": 10}))
+    delays.write_text(json.dumps({"full×3": 100}))
     report = remat_search.run(parse_spec({**spec, "trials": 2}))  # resumed: full×3
 
     seconds = {t.summary(): t.step_seconds for t in report.trials}
@@ -262,7 +267,7 @@ def test_timing_against_the_anchor_cancels_a_busy_spell(tmp_path: Path, storage_
     stored = optuna.load_study(study_name="tiny", storage=storage_url).user_attrs
     assert ("anchor_seconds" in stored) is anchor
     if anchor:  # the anchor's time in the busy spell is the study's unit: both plans are in it
-        assert stored["anchor_seconds"] > 0.040
+        assert stored["anchor_seconds"] > 0.400
         assert all(len(t.measurement.anchor_times) == 3 for t in report.trials)
 
 

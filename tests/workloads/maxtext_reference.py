@@ -25,6 +25,7 @@ def _memory(compiled) -> dict[str, int | None]:  # noqa: ANN001
 
 
 def main(settings: list[str]) -> None:
+    """Compile MaxText's train step with ``settings`` (``KEY=VALUE``, as its train command takes them)."""
     from maxtext.trainers.pre_train import train, train_compile
     from maxtext.configs import pyconfig
 
@@ -37,12 +38,12 @@ def main(settings: list[str]) -> None:
     else:
         import jax
         from jax.sharding import Mesh
-        from maxtext.utils import max_utils, maxtext_utils, sharding
+        from maxtext.utils import maxtext_utils, sharding
 
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")
         config = pyconfig.initialize(argv)
         jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
-        mesh = Mesh(maxtext_utils.create_device_mesh(config, jax.devices()[: int(os.environ.get("DEVICES", "1"))]), config.mesh_axes)
+        mesh = Mesh(maxtext_utils.create_device_mesh(config, jax.devices()[:1]), config.mesh_axes)  # one device, as the study's
         args, kwargs, state_sh, _, model = train_compile.get_shaped_inputs(mesh, config)
         params_sh, state_sh = sharding.maybe_update_params_sharding_with_opt(config, state_sh)
         in_state = sharding.build_zero1_input_state_mesh_shardings(config, state_sh, params_sh)
@@ -53,9 +54,9 @@ def main(settings: list[str]) -> None:
         kept.append(train_compile.jit_and_compile(
             func, args, kwargs, mesh, ins, outs, static, donate, config, train_compile.axis_rules(config.logical_axis_rules)
         ))
-        del max_utils
     print("MEMORY " + json.dumps(_memory(kept[-1])), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    for each in json.loads(sys.argv[1]):
+        main([f"{key}={value}" for key, value in each.items()])

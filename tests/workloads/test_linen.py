@@ -98,7 +98,9 @@ def test_the_model_may_come_from_a_function(workload: LinenWorkload) -> None:
 def test_policies_change_the_compiled_peak(workload: LinenWorkload) -> None:
     executables = Executables(workload)
     peak = {k: executables.build(RematPlan.uniform(k, 3)).memory.peak for k in ("none", "full", "dots")}
-    assert peak["full"] < peak["dots"] < peak["none"], peak
+    # Each policy compiles to its own peak, both remat policies below none's (which of the two is
+    # lower is XLA's: full on jaxlib 0.10, dots on 0.12).
+    assert max(peak["full"], peak["dots"]) < peak["none"] and peak["full"] != peak["dots"], peak
 
 
 def test_a_plan_of_another_depth_is_refused(workload: LinenWorkload) -> None:

@@ -8,6 +8,7 @@ that refusal runs here (the others are skipped with the reason)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import yaml
 from remat_search.plans.export import maxtext
 from remat_search.plans.plan import RematPlan
 from remat_search.store.attributes import PLAN_ATTR
-from remat_search.workloads.maxtext import installed
+from remat_search.spec.maxtext import installed
 
 from tests.conftest import REPO, run_process, spec_dict, write_spec
 
@@ -51,28 +52,24 @@ def searched(tmp_path: Path, spec: dict) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
 
 
-def maxtexts_own(settings: list[str], devices: int = 1) -> dict:
-    """MaxText's own compile of ``settings`` (``maxtext_reference``), its memory."""
+def maxtexts_own(settings: list[dict]) -> list[dict]:
+    """MaxText's own compile of each mapping of ``settings`` (``maxtext_reference``, one process), its memory."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.workloads.maxtext_reference", *settings], cwd=REPO, capture_output=True,
-        text=True, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(REPO), "DEVICES": str(devices)},
+        [sys.executable, "-m", "tests.workloads.maxtext_reference", json.dumps(settings)], cwd=REPO,
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("MEMORY "))
-    return json.loads(line.removeprefix("MEMORY "))
-
-
-def as_args(settings: dict) -> list[str]:
-    return [f"{k}={v}" for k, v in settings.items()]
+    return [json.loads(line.removeprefix("MEMORY ")) for line in done.stdout.splitlines() if line.startswith("MEMORY ")]
 
 
 @needs_maxtext
 def test_on_cpu_each_trial_s_peak_is_maxtext_s_own_compile_of_its_settings(tmp_path: Path) -> None:
     trials = searched(tmp_path, maxtext_spec(tmp_path))
     assert len(trials) == 3
-    for trial in trials:
-        plan = RematPlan.from_json(trial.user_attrs[PLAN_ATTR])
-        own = maxtexts_own(as_args({**TINY, **maxtext(plan), "hardware": "cpu", "skip_jax_distributed_system": True}))
+    plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
+    assert len({plan.digest for plan in plans}) == 3
+    owns = maxtexts_own([{**TINY, **maxtext(plan), "hardware": "cpu", "skip_jax_distributed_system": True} for plan in plans])
+    for trial, plan, own in zip(trials, plans, owns, strict=True):
         peak = own["argument"] + own["output"] - own["alias"] + own["temp"]  # the CPU compiler states no peak
         assert trial.values[1] == peak, (plan.summary(), trial.values, own)
         measured = json.loads(trial.user_attrs["measurement"])  # run, and its first step checked against full remat's
@@ -87,11 +84,13 @@ def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile
     )
     trials = searched(tmp_path, spec)
     assert len(trials) == 2, [t.user_attrs for t in optuna.load_study(study_name="mt", storage=spec["storage"]).trials]
-    for trial in trials:
-        plan = RematPlan.from_json(trial.user_attrs[PLAN_ATTR])
-        assert plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2}
-        own = maxtexts_own(as_args({**TINY, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1,
-                                    "skip_jax_distributed_system": True}))
+    plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
+    assert all(plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2} for plan in plans)
+    owns = maxtexts_own([
+        {**TINY, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1, "skip_jax_distributed_system": True}
+        for plan in plans
+    ])
+    for trial, plan, own in zip(trials, plans, owns, strict=True):
         assert trial.values[1] == own["peak"], (plan.summary(), trial.values, own)
 
 
@@ -122,7 +121,7 @@ main()
 def test_without_maxtext_a_maxtext_spec_is_one_line_naming_the_install_exit_2_nothing_written(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "spec.yaml", maxtext_spec(tmp_path))
     done = subprocess.run([sys.executable, "-c", BLOCK_MAXTEXT, "run", str(spec)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "pip install 'remat-search[maxtext]'" in lines[0], done.stderr

