@@ -85,11 +85,13 @@ def best(
     storage: StorageOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the plan as JSON (RematPlan.from_json loads it).")] = False,
     form: Annotated[str, typer.Option(
-        "--format", metavar="table|json|yaml|maxtext",
+        "--format", metavar="table|json|yaml|maxtext|maxtext-args",
         help="table (default); json (= --json), yaml: the plan alone; maxtext: MaxText's settings (remat_policy: "
-             "full, or custom with device/offload/remat per tensor name; the plan's batch, accumulation and "
-             "ici_*_parallelism where it carries a configuration) of the fastest plan that fits and MaxText can "
-             "express, with a note on stderr where that is not the study's best.",
+             "full, or custom with device/offload/remat for every tensor name MaxText has; the plan's batch, "
+             "accumulation and every ici_*_parallelism where it carries a configuration, so that pasted onto any "
+             "config they replace its own) of the fastest plan that fits and MaxText can express, with a note on "
+             "stderr where that is not the study's best; maxtext-args: the same as key=value arguments for "
+             "MaxText's train command.",
     )] = "table",
 ) -> None:
     """The fastest measured plan whose compiled peak fits the budget (exit 1 if none does)."""
@@ -105,7 +107,7 @@ def best(
     asked = flags.budget(budget)
     with open_study(flags.study(study), storage) as stored:
         limit = budget_bytes(asked, stored, name="--budget")
-        for_maxtext = maxtext_answer(stored, limit) if form == "maxtext" else None
+        for_maxtext = maxtext_answer(stored, limit) if form.startswith("maxtext") else None
         found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
         untimed = stored.untimed_within(limit)
     note = answer_note(found, limit, settlement(stored.attrs), stored.name)

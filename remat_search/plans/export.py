@@ -1,4 +1,5 @@
-"""A plan written for where it is used: remat-search's JSON, YAML, or a MaxText config.
+"""A plan written for where it is used: remat-search's JSON, YAML, or MaxText's settings (a
+config's lines, or its train command's ``key=value`` arguments).
 
 MaxText applies one remat policy to every decoder layer; its ``remat_policy: custom`` says,
 for each of its named tensors, whether it stays on the device, is offloaded to host memory,
@@ -19,13 +20,18 @@ from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import POLICIES
 
-Format = Literal["json", "yaml", "maxtext"]
-FORMATS: tuple[Format, ...] = ("json", "yaml", "maxtext")
+Format = Literal["json", "yaml", "maxtext", "maxtext-args"]
+FORMATS: tuple[Format, ...] = ("json", "yaml", "maxtext", "maxtext-args")
 MAXTEXT_NAMES = (
-    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
-    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo",
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj", "query_wa_proj",
+    "kv_wa_proj", "mla_q", "mla_kv", "context", "attention_out", "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1",
+    "mlpwo", "moe_x_sorted", "moe_routing_maps", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
+    "indexer_cutoff_threshold", "engram",
 )
-"""The tensors MaxText's ``remat_policy: custom`` sets one by one (its ``base.yml``)."""
+"""The tensors MaxText's ``remat_policy: custom`` sets one by one (MaxText 0.2.5's
+``RematAndOffload``: every field valued ``remat`` / ``device`` / ``offload``). The export writes
+each of them, so that pasting an answer replaces whatever a config had set for any
+(``tests/workloads/test_maxtext.py`` checks the list against the installed MaxText)."""
 PINNED = "decoder_layer_input"
 """The layer's input, which MaxText keeps on the device whatever the policy: the points remat starts from."""
 QKV = ("query_proj", "key_proj", "value_proj")
@@ -46,12 +52,14 @@ Left out too: ``minimal``, ``minimal_flash`` and ``minimal_offloaded``, which ch
 TPU can; write it as ``{label: qkv_proj_offloaded, offload: [query_proj, key_proj, value_proj]}``)."""
 MAXTEXT_ICI = {
     **{axis: f"ici_{axis}_parallelism" for axis in (
-        "diloco", "data", "fsdp", "fsdp_transpose", "sequence", "context", "context_autoregressive",
-        "tensor", "tensor_transpose", "tensor_sequence", "expert", "autoregressive",
+        "diloco", "data", "fsdp", "fsdp_transpose", "sequence", "context", "context_usp_ulysses",
+        "context_autoregressive", "tensor", "tensor_sequence", "expert", "autoregressive",
     )},
     "stage": "ici_pipeline_parallelism",
 }
-"""MaxText's mesh axes and the ``base.yml`` setting that sizes each within a slice."""
+"""MaxText's mesh axes and the setting that sizes each within a slice (MaxText 0.2.5's
+``ici_*_parallelism`` fields, every one: ``tests/workloads/test_maxtext.py`` checks them against
+the installed MaxText)."""
 MaxTextValue = str | int | float
 
 
@@ -62,6 +70,8 @@ def export(plan: RematPlan, form: Format) -> str:
         return plan.to_json()
     if form == "yaml":
         return yaml.safe_dump(json.loads(plan.to_json()), sort_keys=False).rstrip("\n")
+    if form == "maxtext-args":  # as MaxText's train command takes them, after its config file
+        return " ".join(f"{key}={value}" for key, value in maxtext(plan).items())
     return yaml.safe_dump(maxtext(plan), sort_keys=False).rstrip("\n")
 
 
@@ -77,9 +87,10 @@ def maxtext(plan: RematPlan) -> dict[str, MaxTextValue]:
 
 def maxtext_configuration(configuration: Configuration) -> dict[str, int | float]:
     """MaxText's settings of a configuration: ``per_device_batch_size``,
-    ``gradient_accumulation_steps`` (written even when 1, so that pasting it replaces whatever
-    the config had), and ``ici_<axis>_parallelism`` for each mesh axis, in the mesh's order
-    (:data:`MAXTEXT_ICI`; an axis MaxText has no setting for is a :class:`SpecError`).
+    ``gradient_accumulation_steps`` and ``ici_<axis>_parallelism`` for each mesh axis, in the
+    mesh's order, then 1 for every other axis of :data:`MAXTEXT_ICI` (an axis MaxText has no
+    setting for is a :class:`SpecError`): each written even at 1, so that pasting it replaces
+    whatever the config had (its ``ici_data_parallelism: 2``, its ``ici_fsdp_parallelism: -1``).
 
     MaxText's micro-batch is ``per_device_batch_size`` × every device, while a configuration's
     ``batch`` is per data-parallel device (``data`` × ``fsdp``): over a mesh of those axes only
@@ -96,6 +107,7 @@ def maxtext_configuration(configuration: Configuration) -> dict[str, int | float
         "per_device_batch_size": int(share) if share.is_integer() else share,
         "gradient_accumulation_steps": configuration.accumulation,
         **{MAXTEXT_ICI[axis]: size for axis, size in configuration.mesh},
+        **{setting: 1 for axis, setting in MAXTEXT_ICI.items() if axis not in dict(configuration.mesh)},
     }
 
 

@@ -46,7 +46,7 @@ from remat_search.store import cache
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
 from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR
 from remat_search.store.storage import check_storage, open_storage, translate_errors
-from remat_search.targets.platform import offloads_to_host
+from remat_search.targets.platform import offloads_to_host, quiet_libtpu
 from remat_search.workloads.base import build_workload
 
 logger = logging.getLogger("remat_search")
@@ -82,7 +82,8 @@ def checked(spec: SearchSpec) -> tuple[SearchSpec, Space]:
         check_identity(spec, attrs)
     check_workload(spec)
     spec = _timed_alone(spec)
-    workload = build_workload(spec.workload)
+    with quiet_libtpu():  # a model built here (an NNX model's shapes, MaxText's loader) starts JAX's backends
+        workload = build_workload(spec.workload)
     space = Space.of(spec.space, workload.layers)
     space.check_names(workload.tensor_names)
     space.check_functions()

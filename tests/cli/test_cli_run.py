@@ -40,8 +40,27 @@ def tiny_run(tiny_search: tuple[str, Path]) -> str:
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu prints these only where installed")
 def test_a_cpu_search_prints_no_libtpu_warnings(tiny_run: str) -> None:
     """With libtpu installed (the test extra), JAX's probe for TPUs made libtpu print these."""
-    for noise in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "INVALID_ARGUMENT", "libtpu"):
+    for noise in LIBTPU_NOISE:
         assert noise not in tiny_run, tiny_run
+
+
+LIBTPU_NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "INVALID_ARGUMENT", "libtpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu prints these only where installed")
+def test_a_cpu_search_of_an_nnx_model_prints_no_libtpu_warnings(tmp_path: Path) -> None:
+    """The search builds an NNX model's shapes before any worker starts: JAX's backends started
+    there, and libtpu printed its five lines (the search's, not the worker's)."""
+    from tests.workloads.test_nnx import WORKLOAD
+
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(
+        f"sqlite:///{tmp_path / 'studies.db'}", workload=WORKLOAD, space={"layout": "uniform", "choices": ["full"]},
+        trials=1, confirm={"top": 0},
+    ))
+    search = run_process("run", str(spec))
+    out = search.communicate(timeout=300)[0]
+    assert search.returncode == 0, out
+    assert not [noise for noise in LIBTPU_NOISE if noise in out], out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="TPU targets need libtpu")

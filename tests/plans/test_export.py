@@ -12,7 +12,7 @@ import remat_search
 from remat_search import LayerPolicy, RematPlan
 from remat_search.errors import SpecError
 from remat_search.plans.configuration import Configuration
-from remat_search.plans.export import MAXTEXT_NAMES, export, maxtext
+from remat_search.plans.export import MAXTEXT_ICI, MAXTEXT_NAMES, export, maxtext
 from remat_search.spec.loading import parse_spec
 from tests.conftest import spec_dict
 
@@ -68,17 +68,25 @@ def test_a_configured_plan_writes_its_batch_accumulation_and_mesh_after_its_rema
     )
     written = export(plan, "maxtext")
     remat = maxtext(RematPlan.uniform(LayerPolicy(kind="names", names=("context",)), 2))
+    every_other_axis = [(setting, 1) for axis, setting in MAXTEXT_ICI.items() if axis not in ("data", "fsdp")]
     assert list(yaml.safe_load(written).items()) == [
         *remat.items(),
         ("per_device_batch_size", 4), ("gradient_accumulation_steps", 2),
-        ("ici_data_parallelism", 2), ("ici_fsdp_parallelism", 2),
+        ("ici_data_parallelism", 2), ("ici_fsdp_parallelism", 2), *every_other_axis,
     ]
     full = _configured(RematPlan.uniform("full", 3), batch=8, mesh={"fsdp": 4})
-    assert export(full, "maxtext") == (
-        "remat_policy: full\nper_device_batch_size: 8\ngradient_accumulation_steps: 1\nici_fsdp_parallelism: 4"
+    assert export(full, "maxtext").startswith(
+        "remat_policy: full\nper_device_batch_size: 8\ngradient_accumulation_steps: 1\nici_fsdp_parallelism: 4\n"
+        "ici_diloco_parallelism: 1\nici_data_parallelism: 1\n"
+    )
+    assert export(full, "maxtext-args").startswith(
+        "remat_policy=full per_device_batch_size=8 gradient_accumulation_steps=1 ici_fsdp_parallelism=4 "
     )
     alone = _configured(RematPlan.uniform("full", 3), batch=2)
-    assert maxtext(alone) == {"remat_policy": "full", "per_device_batch_size": 2, "gradient_accumulation_steps": 1}
+    assert maxtext(alone) == {
+        "remat_policy": "full", "per_device_batch_size": 2, "gradient_accumulation_steps": 1,
+        **{setting: 1 for setting in MAXTEXT_ICI.values()},
+    }
 
 
 def test_maxtext_s_per_device_batch_is_each_device_s_share_of_the_micro_batch() -> None:
@@ -89,9 +97,10 @@ def test_maxtext_s_per_device_batch_is_each_device_s_share_of_the_micro_batch() 
     assert split["per_device_batch_size"] == 2 and split["ici_tensor_parallelism"] == 2
     assert maxtext(_configured(full, batch=1, mesh={"fsdp": 2, "tensor": 2}))["per_device_batch_size"] == 0.5
     staged = maxtext(_configured(full, batch=2, mesh={"data": 2, "stage": 2, "expert": 2, "sequence": 1}))
-    assert [k for k in staged if k.startswith("ici_")] == [
+    assert [k for k in staged if k.startswith("ici_")][:4] == [
         "ici_data_parallelism", "ici_pipeline_parallelism", "ici_expert_parallelism", "ici_sequence_parallelism",
-    ]
+    ]  # the mesh's axes first, then every other at 1
+    assert {k for k in staged if k.startswith("ici_")} == set(MAXTEXT_ICI.values())
 
 
 def test_a_mesh_axis_maxtext_has_no_setting_for_and_a_nested_plan_are_refused() -> None:
@@ -131,7 +140,7 @@ def test_best_in_each_format_is_the_same_plan(cli, study: str) -> None:  # type:
 def test_an_unknown_format_is_one_line(cli, study: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     result = cli("best", "--study", "tiny", "--budget", "1GiB", "--storage", study, "--format", "toml")
     assert result.exit_code == 2
-    assert result.stderr == "error: --format: expected table, json, yaml, maxtext; got 'toml'\n"
+    assert result.stderr == "error: --format: expected table, json, yaml, maxtext, maxtext-args; got 'toml'\n"
 
 
 def test_best_plan_refuses_a_study_measured_with_another_jax_device_or_workload(study: str, tmp_path: Path) -> None:

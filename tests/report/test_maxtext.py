@@ -16,7 +16,7 @@ import remat_search
 from remat_search.errors import NoFeasiblePlan
 from remat_search.measure.measurement import Measurement, MemoryBreakdown
 from remat_search.plans.configuration import Configuration
-from remat_search.plans.export import MAXTEXT_NAMES, MAXTEXT_PRESETS, PINNED, maxtext
+from remat_search.plans.export import MAXTEXT_ICI, MAXTEXT_NAMES, MAXTEXT_PRESETS, PINNED, maxtext
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy
 from remat_search.report.maxtext import MaxTextAnswer, maxtext_answer
@@ -143,7 +143,8 @@ def test_a_search_of_space_maxtext_answers_with_a_config_that_pastes(storage_url
     pasted = yaml.safe_load(shown.stdout)
     assert "study's best" not in shown.stderr
     remat = {"remat_policy"} | (set(MAXTEXT_NAMES) if pasted["remat_policy"] == "custom" else set())
-    assert set(pasted) == remat | {"per_device_batch_size", "gradient_accumulation_steps"}
+    # every mesh setting too (the study's own mesh, no axis: each at 1), so that the paste replaces them
+    assert set(pasted) == remat | {"per_device_batch_size", "gradient_accumulation_steps", *MAXTEXT_ICI.values()}
     configuration = best.plan.configuration
     assert (pasted["per_device_batch_size"], pasted["gradient_accumulation_steps"]) == (
         configuration.batch, configuration.accumulation,

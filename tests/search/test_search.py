@@ -239,8 +239,9 @@ def test_a_study_stored_before_attention_auto_resumes_with_dense_attention(
 
 def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Two CPU devices (XLA's host device count, which the worker inherits): over a data mesh
-    each device holds half the batch, so its compiled arguments and activations shrink, and
-    the sharded step runs and passes the gradient check."""
+    each device holds half the batch, so its compiled arguments shrink (its temporaries did on
+    jaxlib 0.10; on 0.12 XLA:CPU's sharded program holds 3% more), and the sharded step runs and
+    passes the gradient check."""
     common = {"workload": {"kind": "mlp", "layers": 2, "width": 32, "hidden": 256, "batch": 64},
               "space": {"layout": "uniform", "choices": ["none", "full"]}, "trials": 2, "confirm": {"top": 0}}
     single = remat_search.run(parse_spec(spec_dict(storage_url, study="single", **common)))
@@ -251,7 +252,6 @@ def test_a_local_mesh_runs_the_step_on_sharded_inputs(storage_url: str, monkeypa
         assert two.status == "measured" and two.measurement.time_source == "measured", two.error
         assert two.measurement.grad_rel_error is not None
         assert two.measurement.memory.argument < one.measurement.memory.argument  # half the batch a device
-        assert two.measurement.memory.temp < one.measurement.memory.temp
 
 
 def test_an_interrupted_search_fails_its_trial_and_requeues_the_plan(storage_url: str) -> None:

