@@ -73,7 +73,8 @@ def test_readmes_two_commands_are_the_ones_ci_and_the_demo_run() -> None:
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == tests
     # in a new virtual environment, made and entered just before: what a new machine resolves
-    assert ci[-5:-1] == ['VENV=$(mktemp -d)', "trap 'rm -rf \"$VENV\"' EXIT", 'python3 -m venv "$VENV"', '. "$VENV/bin/activate"']
+    assert ci[-5:-1] == ['VENV=$(mktemp -d)', "trap 'rm -rf \"$VENV\"' EXIT", 'python3 -m venv --upgrade-deps "$VENV"', '. "$VENV/bin/activate"']
+    assert "python3 -m venv --upgrade-deps .venv" in README.read_text()  # as README tells a new user
 
 
 def test_every_spec_in_search_spaces_loads() -> None:
