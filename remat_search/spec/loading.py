@@ -38,9 +38,9 @@ def load_spec(
     if not isinstance(data, dict):
         raise SpecError(f"spec: {str(path)!r} must be a YAML mapping of fields, got {type(data).__name__}")
     workload = data.get("workload")
-    if isinstance(workload, dict):  # paths the workload names are relative to the spec's folder
-        relative = {k: str(path.parent / os.path.expanduser(v)) for k, v in workload.items()
-                    if k in ("params_from", "config") and isinstance(v, str) and (k != "config" or workload.get("kind") == "maxtext")}
+    if isinstance(workload, dict):  # the paths a workload names are relative to the spec's folder
+        paths = ("params_from", "config") if workload.get("kind") == "maxtext" else ("params_from",)
+        relative = {k: str(path.parent / os.path.expanduser(v)) for k, v in workload.items() if k in paths and isinstance(v, str)}
         data["workload"] = {**workload, **relative}
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage:

@@ -6,6 +6,7 @@ before anything is written; the worker, to build each candidate."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 from typing import Any
@@ -42,10 +43,18 @@ def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None
         # No jax.distributed join: remat-search's worker compiles alone.
         keys = {"base_output_directory": os.path.join(tempfile.gettempdir(), "remat-search-maxtext"),
                 **config.model_keys(), **(settings or {}), **more, "skip_jax_distributed_system": True}
+        # MaxText logs a refusal (in banner lines, a warning per unknown key) before raising it
+        loggers = [logging.getLogger(name) for name in ("absl", "maxtext")]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
         try:
             return pyconfig.initialize(["remat-search", base], **keys)
         except Exception as e:  # noqa: BLE001 - MaxText's own refusal, told in one line
             raise SpecError(f"spec.workload: MaxText refuses the settings: {refusal(e)}") from None
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
 
 def refusal(error: BaseException) -> str:

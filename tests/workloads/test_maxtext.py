@@ -97,14 +97,24 @@ def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile
 
 
 @needs_maxtext
-def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext_exit_2_nothing_written(tmp_path: Path) -> None:
-    spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", "overrides": {**TINY, "bogus_key": 1}})
+@pytest.mark.parametrize(("workload", "reason"), [
+    ({"overrides": {**TINY, "bogus_key": 1}}, "'bogus_key' not in 'emb_dim'"),
+    ({"overrides": {**TINY, "base_emb_dim": "wide"}}, "base_emb_dim: Input should be a valid integer"),
+    ({"config": "missing.yml", "overrides": TINY}, "No such file or directory"),  # relative to the spec's folder
+], ids=["unknown key", "bad value", "no config file"])
+def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext_exit_2_nothing_written(
+    tmp_path: Path, workload: dict, reason: str
+) -> None:
+    spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", **workload})
     search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
     out = search.communicate(timeout=600)[0]
     assert search.returncode == 2, out
-    errors = [line for line in out.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "MaxText refuses the settings: 'bogus_key' not in" in errors[0], out
+    lines = [line for line in out.splitlines() if line.strip() and not line.startswith("budget ")]  # `run` says its budget first
+    assert len(lines) == 1 and lines[0].startswith("error: spec.workload: MaxText refuses the settings: "), out
+    assert reason in lines[0] and len(lines[0]) < 400, out
     assert not (tmp_path / "studies.db").exists()
+    if "config" in workload:
+        assert str(tmp_path / "missing.yml") in lines[0]
 
 
 BLOCK_MAXTEXT = """
