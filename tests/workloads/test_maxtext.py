@@ -189,3 +189,17 @@ def test_an_answer_pasted_onto_a_config_that_sets_other_values_gives_the_study_s
     assert loaded.remat_policy == "custom" and loaded.query_proj == "remat" and loaded.key_proj == "device"
     assert loaded.global_batch_size_to_train_on == configuration.global_batch == 8
     assert dict(zip(loaded.mesh_axes, loaded.ici_parallelism, strict=True))["tensor"] == 2
+
+
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+def test_a_plan_maxtext_cannot_state_raises_when_its_step_is_built() -> None:
+    """docs/spec.md: such a plan is a failed trial with the export's reason (the worker makes any
+    candidate that raises one)."""
+    from remat_search.errors import SpecError
+    from remat_search.spec.workloads import MaxTextConfig
+    from remat_search.workloads.maxtext import MaxTextWorkload
+
+    workload = MaxTextWorkload(MaxTextConfig(kind="maxtext", overrides=TINY))
+    with pytest.raises(SpecError, match="policy 'dots' has no MaxText custom form"):
+        workload.step(RematPlan.uniform("dots", workload.layers))
