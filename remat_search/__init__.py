@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from remat_search.errors import (
+        CandidateRefused,
         NoFeasiblePlan,
         RematSearchError,
         RunError,
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
-    **dict.fromkeys(('NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
+    **dict.fromkeys(('CandidateRefused', 'NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
     **dict.fromkeys(('compiler_options',), "remat_search.targets.platform"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
@@ -76,6 +77,7 @@ _API: dict[str, str] = {
 __all__ = [
     "POLICIES",
     "Advice",
+    "CandidateRefused",
     "Comparison",
     "CostModel",
     "LayerPolicy",

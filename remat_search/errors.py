@@ -25,6 +25,12 @@ class WorkloadError(RematSearchError):
     """A workload factory does not import, fails, or returns something that is no workload."""
 
 
+class CandidateRefused(WorkloadError):
+    """The workload cannot build one candidate (MaxText refuses its settings: a mesh that does
+    not divide its heads, an axis it does not shard over): that candidate is an infeasible
+    trial with the reason, and the search goes on."""
+
+
 class NoFeasiblePlan(RematSearchError):
     """No measured plan fits the budget asked for (exit code 1)."""
 

@@ -344,3 +344,13 @@ class OverDeclaredMlp(MlpWorkload):
 
 def over_declared() -> OverDeclaredMlp:
     return OverDeclaredMlp(MlpConfig(kind="mlp", layers=2, width=16, hidden=32, batch=4))
+
+
+def refusing(batch: int, refused: int = 4) -> MlpWorkload:
+    """The tiny MLP at ``batch``, refusing to be built at ``refused``: a model that cannot run
+    some configuration (as MaxText refuses a mesh that does not divide its heads)."""
+    from remat_search.errors import CandidateRefused
+
+    if batch == refused:
+        raise CandidateRefused(f"this model cannot run a batch of {refused}")
+    return MlpWorkload(TINY_MLP.model_copy(update={"batch": batch}))

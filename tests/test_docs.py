@@ -96,4 +96,4 @@ def test_the_maxtext_answer_in_the_spec_page_is_what_best_prints_for_its_study(c
     result = cli("best", "--study", "maxtext-16b-v5e", "--budget", "device", "--format", "maxtext", "--storage", storage)
     assert result.exit_code == 0, result.stderr
     assert result.stdout == shown
-    assert "per_device_batch_size: 2" in shown and "remat_policy:" in shown
+    assert "per_device_batch_size: 6" in shown and "remat_policy:" in shown

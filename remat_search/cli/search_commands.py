@@ -74,7 +74,8 @@ def run(
     output.console.print(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
         + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
-        f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
+        + (f"{report.count('infeasible')} infeasible (refused by the workload, never compiled), " if report.count("infeasible") else "")
+        + f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
         f"--budget {size_argument(report.budget)} --json > plan.json", soft_wrap=True,  # a command: one line
     )
 

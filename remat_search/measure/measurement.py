@@ -48,7 +48,9 @@ compute (the collective's buffers are its ICI bytes, as an unfused collective's 
 TPU kernel's matmuls are priced as the chip's matrix unit spends them, padded to its tiles
 (``targets.mxu``: a 128-wide head at half rate on a v6e)."""
 
-Verdict = Literal["measured", "over_budget", "failed"]
+Verdict = Literal["measured", "over_budget", "failed", "infeasible"]
+"""``infeasible``: the workload refused to build the candidate (:class:`~remat_search.errors.CandidateRefused`),
+so it was never compiled; :attr:`Measurement.error` says why."""
 
 
 class MemoryBreakdown(BaseModel):
@@ -245,7 +247,7 @@ class Measurement(RawMeasurement):
 
     status: Verdict
     error: str | None = None
-    """Why it failed: the check of its first step, a loss that is not finite, or the worker's
+    """Why it failed or is infeasible: the check of its first step, a loss that is not finite, or the worker's
     own failure (a crash, a timeout, an exception), where there is no raw measurement."""
     anchor_seconds: float | None = None
     """The study's reference time of the anchor, in which :attr:`step_seconds` of an

@@ -56,6 +56,8 @@ def io_bytes(lowered: Any, abstract: Any) -> int:
     def shard(a: Any) -> tuple[tuple[int, ...], str]:
         sharding = getattr(a, "sharding", None)
         shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):  # a key array (MaxText's state holds some): its bits
+            return (*shape, *a.dtype._impl.key_shape), "uint32"
         return tuple(shape), str(np.dtype(a.dtype))
 
     def nbytes(key: tuple[tuple[int, ...], str]) -> int:

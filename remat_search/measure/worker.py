@@ -20,12 +20,12 @@ from typing import Any
 
 import psutil
 
-from remat_search.errors import RunError, SpecError, WorkloadError
+from remat_search.errors import CandidateRefused, RunError, SpecError, WorkloadError
 from remat_search.measure import protocol
 from remat_search.measure.artifacts import ReferenceStore, reference_key
 from remat_search.measure.device import describe, reference_parts
 from remat_search.measure.executables import Executables, Known, measure, retime
-from remat_search.measure.measurement import RawMeasurement
+from remat_search.measure.measurement import Measurement, RawMeasurement
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TargetConfig
@@ -110,11 +110,14 @@ def serve(
                 conn.send(protocol.Done(json.dumps(times)))
                 continue
             plan = RematPlan.model_validate_json(request.plan)
-            m = measure(
-                executables.at(plan.configuration), plan, budget=request.budget,
-                timing=request.timing, gradient_tolerance=request.gradient_tolerance,
-                known=_asker(conn) if request.ask else None,
-            )
+            try:
+                m = measure(
+                    executables.at(plan.configuration), plan, budget=request.budget,
+                    timing=request.timing, gradient_tolerance=request.gradient_tolerance,
+                    known=_asker(conn) if request.ask else None,
+                )
+            except CandidateRefused as e:  # an infeasible candidate, never compiled: the reason is its record
+                m = Measurement(status="infeasible", plan_digest=plan.digest, error=str(e))
             conn.send(protocol.Done(m.model_dump_json()))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             conn.send(protocol.Failed(_failure(e)))

@@ -10,12 +10,16 @@ every study before configurations did.
 
 from __future__ import annotations
 
+import json
 import math
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
-BATCH_AXES = ("data", "fsdp")
-"""The mesh axes the built-in workloads split the batch over (``workloads.base.Workload.shardings``)."""
+Setting = bool | int | float | str
+"""A value of a workload's own setting (a MaxText config key's)."""
+BATCH_AXES = ("data", "fsdp", "fsdp_transpose", "expert")
+"""The mesh axes a step's batch is split over: MaxText's (its ``activation_batch`` rule), and
+the built-in workloads' (``workloads.sharding.split_batch_over``), where a mesh has them."""
 
 
 class Configuration(BaseModel):
@@ -32,11 +36,21 @@ class Configuration(BaseModel):
     sequence: PositiveInt = 1
     """Tokens each example holds (the workload's ``seq_len``; 1 where it has none, so that
     throughput counts examples)."""
+    settings: tuple[tuple[str, Setting], ...] = ()
+    """The workload's own settings this candidate sets beside remat, ``(key, value)`` in the
+    spec's order: MaxText's memory knobs (``optimizer_memory_host_offload: true``). Left out of
+    the plan's text where there are none (``RematPlan.to_json``), so digests stay as they were."""
 
     @field_validator("mesh", mode="before")
     @classmethod
     def _pairs(cls, value: object) -> object:
         """A mesh may be given as a mapping (``{data: 2, fsdp: 2}``)."""
+        return tuple(value.items()) if isinstance(value, dict) else value
+
+    @field_validator("settings", mode="before")
+    @classmethod
+    def _setting_pairs(cls, value: object) -> object:
+        """Settings may be given as a mapping (``{optimizer_memory_host_offload: true}``)."""
         return tuple(value.items()) if isinstance(value, dict) else value
 
     @property
@@ -73,7 +87,8 @@ class Configuration(BaseModel):
         """A short human form: ``batch 4×2 · data=2,fsdp=2`` (micro-batch × accumulation)."""
         batch = f"batch {self.batch}" + (f"×{self.accumulation}" if self.accumulation > 1 else "")
         mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh) or "1 device"
-        return f"{batch} · {mesh}"
+        settings = "".join(f" · {key}={json.dumps(value)}" for key, value in self.settings)
+        return f"{batch} · {mesh}{settings}"
 
 
 def cost(seconds: float, configuration: Configuration | None) -> float:

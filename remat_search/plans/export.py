@@ -47,9 +47,12 @@ MAXTEXT_PRESETS: dict[str, tuple[str, ...] | None] = {
 tensors each saves on the device (``names``), or None for ``full``. MaxText's lists also name
 ``qkv_proj``, the fused projection it tags only with ``fused_qkv: true``; it is left out, so each
 is MaxText's preset on a model with separate projections (``fused_qkv: false``, its default).
-Left out too: ``minimal``, ``minimal_flash`` and ``minimal_offloaded``, which choose by operation
-(matmuls without batch dimensions), and ``qkv_proj_offloaded``, which offloads (only a GPU or a
-TPU can; write it as ``{label: qkv_proj_offloaded, offload: [query_proj, key_proj, value_proj]}``)."""
+Left out: ``minimal`` and ``minimal_with_context``, which in MaxText 0.2.5 save names too (its
+decoder's ``minimal_policy``: every projection's and MLP matmul's output, of both MLP forms,
+``mlpwi`` and ``mlpwi_0``/``mlpwi_1``, which no one model tags: write ``{label: minimal, names:
+[...]}`` with your model's); and ``minimal_offloaded`` and ``qkv_proj_offloaded``, which offload
+(only a GPU or a TPU can; write the latter as ``{label: qkv_proj_offloaded, offload: [query_proj,
+key_proj, value_proj]}``)."""
 MAXTEXT_ICI = {
     **{axis: f"ici_{axis}_parallelism" for axis in (
         "diloco", "data", "fsdp", "fsdp_transpose", "sequence", "context", "context_usp_ulysses",
@@ -60,7 +63,7 @@ MAXTEXT_ICI = {
 """MaxText's mesh axes and the setting that sizes each within a slice (MaxText 0.2.5's
 ``ici_*_parallelism`` fields, every one: ``tests/workloads/test_maxtext.py`` checks them against
 the installed MaxText)."""
-MaxTextValue = str | int | float
+MaxTextValue = str | int | float | bool
 
 
 def export(plan: RematPlan, form: Format) -> str:
@@ -71,7 +74,8 @@ def export(plan: RematPlan, form: Format) -> str:
     if form == "yaml":
         return yaml.safe_dump(json.loads(plan.to_json()), sort_keys=False).rstrip("\n")
     if form == "maxtext-args":  # as MaxText's train command takes them, after its config file
-        return " ".join(f"{key}={value}" for key, value in maxtext(plan).items())
+        written = {key: str(value).lower() if isinstance(value, bool) else value for key, value in maxtext(plan).items()}
+        return " ".join(f"{key}={value}" for key, value in written.items())
     return yaml.safe_dump(maxtext(plan), sort_keys=False).rstrip("\n")
 
 
@@ -85,12 +89,13 @@ def maxtext(plan: RematPlan) -> dict[str, MaxTextValue]:
     return settings
 
 
-def maxtext_configuration(configuration: Configuration) -> dict[str, int | float]:
+def maxtext_configuration(configuration: Configuration) -> dict[str, MaxTextValue]:
     """MaxText's settings of a configuration: ``per_device_batch_size``,
     ``gradient_accumulation_steps`` and ``ici_<axis>_parallelism`` for each mesh axis, in the
     mesh's order, then 1 for every other axis of :data:`MAXTEXT_ICI` (an axis MaxText has no
     setting for is a :class:`SpecError`): each written even at 1, so that pasting it replaces
-    whatever the config had (its ``ici_data_parallelism: 2``, its ``ici_fsdp_parallelism: -1``).
+    whatever the config had (its ``ici_data_parallelism: 2``, its ``ici_fsdp_parallelism: -1``);
+    then the configuration's own settings (MaxText's memory knobs, as searched).
 
     MaxText's micro-batch is ``per_device_batch_size`` × every device, while a configuration's
     ``batch`` is per data-parallel device (``data`` × ``fsdp``): over a mesh of those axes only
@@ -108,6 +113,7 @@ def maxtext_configuration(configuration: Configuration) -> dict[str, int | float
         "gradient_accumulation_steps": configuration.accumulation,
         **{MAXTEXT_ICI[axis]: size for axis, size in configuration.mesh},
         **{setting: 1 for axis, setting in MAXTEXT_ICI.items() if axis not in dict(configuration.mesh)},
+        **dict(configuration.settings),
     }
 
 

@@ -70,6 +70,8 @@ class RematPlan(BaseModel):
         """
         unset = {"layout"} if self.layout == "flat" else set()
         data = self.model_dump(mode="json", exclude=unset | ({"configuration"} if self.configuration is None else set()))
+        if self.configuration is not None and not self.configuration.settings:
+            del data["configuration"]["settings"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property

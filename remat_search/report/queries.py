@@ -154,7 +154,7 @@ def summarize(study: StoredStudy) -> StudySummary:
         # A submitted study's device is the first worker's that measures it.
         device=f"{study.device.get('platform', '?')} ({study.device.get('device_kind', '?')})" if study.device else "—",
         target=_target(study.device.get("target") or spec.get("target") or study.attrs.get("target")),
-        # Screened-out plans are pruned: finished, though not measured.
+        # Screened-out and infeasible plans are pruned: finished, though not measured.
         complete=states.get("COMPLETE", 0) + states.get("PRUNED", 0),
         failed=states.get("FAIL", 0),
         running=running,

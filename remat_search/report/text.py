@@ -134,7 +134,7 @@ def trial_line(t: TrialResult, done: int, total: int) -> str:
     m = t.measurement
     status = "fits" if t.time_estimated else t.status
     line = f"trial {t.number} ({done}/{total}) {t.summary()}: {status}"
-    if t.status == "failed":
+    if t.status in ("failed", "infeasible"):
         return line + f": {(t.error or 'unknown failure').splitlines()[0]}"
     if m is not None and m.screened_bytes is not None:
         line += f", peak ~{format_bytes(m.screened_bytes)} predicted: not compiled, never run"

@@ -25,7 +25,7 @@ from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
 from remat_search.report.stored import open_study
-from remat_search.search.configurations import check_workload, configurations, sequence_of
+from remat_search.search.configurations import check_workload, configurations, search_axes, sequence_of
 from remat_search.search.runners import no_remat_peak, resolve_budget
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
@@ -160,8 +160,10 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -
         asked = asked.of(peak)
     budget = resolve_budget(asked, device)
     if spec.configuration is not None:
+        axes, strict = search_axes(spec.workload)
         space = space.with_configurations(configurations(
             spec.configuration, devices=device.device_count, mesh=device.mesh, sequence=sequence_of(spec.workload),
+            axes=axes, strict=strict,
         ))
     storage = open_storage(
         spec.storage, create=True, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params)

@@ -35,11 +35,17 @@ def record(
     objective values, so that nothing that reads the study's objectives (``best_trials``,
     optuna-dashboard) takes it for one. The prediction stays in its measurement attribute
     (``screened_bytes``); its constraint tells the samplers it is certainly over the budget
-    (TPE ranks a pruned trial with a violated constraint among the infeasible)."""
+    (TPE ranks a pruned trial with a violated constraint among the infeasible). A candidate the
+    workload refused to build (``infeasible``: MaxText's reason in the measurement) is PRUNED
+    the same way, its constraint violated (1.0: it has no peak to state)."""
     trial.set_user_attr(MEASUREMENT_ATTR, m.model_dump_json())
     if m.status == "failed":
         trial.set_user_attr(FAILURE_ATTR, m.error or "unknown failure")
         study.tell(trial, state=TrialState.FAIL)
+        return
+    if m.status == "infeasible":
+        _constrain(1.0, storage, trial_id)
+        study.tell(trial, state=TrialState.PRUNED)
         return
     if m.screened_bytes is not None:
         _constrain(m.screened_bytes / budget - 1.0, storage, trial_id)

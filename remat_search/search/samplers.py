@@ -11,6 +11,7 @@ learn from the budget constraint.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from remat_search.search.configured_model import study_configured_model
 from remat_search.search.cost_model import Prediction, study_cost_model
 from remat_search.search.space import CONFIGURATION_PARAM, Space
 from remat_search.spec.models import SamplerConfig
-from remat_search.store.attributes import PREDICTION_ATTR, QUEUED_ATTR
+from remat_search.store.attributes import MEASUREMENT_ATTR, PREDICTION_ATTR, QUEUED_ATTR
 
 TARGETS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 """Budgets the sampler plans for, as fractions of the study's: the budget first, then the front."""
@@ -139,14 +140,19 @@ class PlannerSampler(Sampler):
         First each configuration nothing was measured at, in the order of its predicted time per
         token: its fastest plan predicted to fit the budget, so that its map is measured rather
         than assumed. Then, for each target, the candidate (plan and configuration) of the least
-        predicted time per token among the best untried few."""
+        predicted time per token among the best untried few. A configuration the workload refused
+        (an infeasible trial: MaxText refuses its mesh) is proposed no more."""
         model = study_configured_model(study, self._space)
         if model is None:
             return None
-        tried = set()
+        tried, refused = set(), set()
         for t in study.get_trials(deepcopy=False):
             params = t.user_attrs.get(QUEUED_ATTR) or t.params
             tried.add((self._space.choices(params, any_configuration=True), params.get(CONFIGURATION_PARAM)))
+            if json.loads(t.user_attrs.get(MEASUREMENT_ATTR, "{}")).get("status") == "infeasible":
+                refused.add(params.get(CONFIGURATION_PARAM))
+        # the workload refuses those configurations (an infeasible trial: MaxText refuses its mesh): no more of them
+        model = model.model_copy(update={"maps": [m for m in model.maps if m.configuration.summary() not in refused]})
         fits = [
             min(fitting, key=lambda p: p.cost)
             for m in model.maps if not m.measured

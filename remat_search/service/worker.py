@@ -76,7 +76,7 @@ def work(
             continue
         tell({
             "event": "finished", "study": name,
-            **{status: report.count(status) for status in ("measured", "over_budget", "failed")},
+            **{status: report.count(status) for status in ("measured", "over_budget", "failed", "infeasible")},
         })
 
 

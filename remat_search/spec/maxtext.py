@@ -15,6 +15,8 @@ from remat_search.errors import SpecError
 from remat_search.spec.workloads import MaxTextConfig
 from remat_search.targets.platform import quiet_libtpu
 
+_READ: dict[str, Any] = {}
+"""The spec's own config, by the workload's JSON (:func:`maxtext_config`)."""
 INSTALL = "pip install 'remat-search[maxtext]' (MaxText needs Python ≥ 3.12)"
 
 
@@ -29,7 +31,11 @@ def installed() -> bool:
 def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None, **more: Any) -> Any:
     """MaxText's config (``pyconfig.initialize``, MaxText's own loader) of the spec's workload with
     ``settings`` (a candidate's) laid over its overrides: a one-line :class:`SpecError` quoting
-    MaxText's reason where it refuses a key or a value."""
+    MaxText's reason where it refuses a key or a value. The spec's own (no ``settings``, nothing
+    ``more``) is read once a process: the search reads it to check the spec, to count an
+    example's tokens and to list the mesh axes."""
+    if not settings and not more and config.model_dump_json() in _READ:
+        return _READ[config.model_dump_json()]
     if not installed():
         raise SpecError(f"spec.workload: kind maxtext needs MaxText; install it with: {INSTALL}")
     # MaxText imports transformers, which warns of its own model configs at import: not ours to say.
@@ -40,8 +46,9 @@ def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None
 
         base = config.config or os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
         # Where MaxText would write a run's outputs (it warns where none is given); compiling writes nothing there.
-        # No jax.distributed join: remat-search's worker compiles alone.
-        keys = {"base_output_directory": os.path.join(tempfile.gettempdir(), "remat-search-maxtext"),
+        # No JAX compilation cache of MaxText's (its base.yml's ~/jax_cache): the spec's compilation_cache
+        # says where one is. No jax.distributed join: remat-search's worker compiles alone.
+        keys = {"base_output_directory": os.path.join(tempfile.gettempdir(), "remat-search-maxtext"), "jax_cache_dir": "",
                 **config.model_keys(), **(settings or {}), **more, "skip_jax_distributed_system": True}
         # MaxText logs a refusal (in banner lines, a warning per unknown key) before raising it
         loggers = [logging.getLogger(name) for name in ("absl", "maxtext")]
@@ -49,19 +56,25 @@ def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None
         for logger in loggers:
             logger.setLevel(logging.CRITICAL)
         try:
-            return pyconfig.initialize(["remat-search", base], **keys)
+            read = pyconfig.initialize(["remat-search", base], **keys)
         except Exception as e:  # noqa: BLE001 - MaxText's own refusal, told in one line
             raise SpecError(f"spec.workload: MaxText refuses the settings: {refusal(e)}") from None
         finally:
             for logger, level in zip(loggers, levels, strict=True):
                 logger.setLevel(level)
+    if not settings and not more:
+        _READ[config.model_dump_json()] = read
+    return read
 
 
 def refusal(error: BaseException) -> str:
-    """MaxText's reason in one line: a pydantic error's field and message, else the first line."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if type(error).__name__ == "ValidationError" and len(lines) >= 3:
-        message = f"{lines[1]}: {lines[2].split(' [type=')[0]}"
+    """MaxText's reason in one line: a pydantic error's fields and messages, else the first line."""
+    errors = getattr(error, "errors", None)
+    if type(error).__name__ == "ValidationError" and callable(errors):
+        message = "; ".join(
+            (f"{'.'.join(map(str, e['loc']))}: " if e.get("loc") else "") + str(e["msg"]) for e in errors()
+        )
     else:
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
         message = lines[0] if lines else type(error).__name__
     return message if len(message) <= 300 else message[:297] + "..."

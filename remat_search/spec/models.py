@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from remat_search.plans.configuration import Setting
 from remat_search.plans.export import MAXTEXT_PRESETS
 from remat_search.plans.policy import POLICIES, LayerPolicy
 from remat_search.spec.budget import Budget
@@ -153,7 +154,24 @@ class ConfigurationSpace(Frozen):
     accumulation steps; a pair of batch and mesh that does not divide it is left out."""
     mesh: tuple[dict[MeshAxis, PositiveInt], ...] | Literal["all"] | None = None
     """Meshes to try, each spanning the study's devices (those of ``spec.mesh``: the target's
-    chips); ``all``: every split of them over ``data`` and ``fsdp``; null: ``spec.mesh`` only."""
+    chips); ``all``: every split of them over the axes the workload shards over (``data`` and
+    ``fsdp``, and those its ``logical_axis_rules`` map onto; MaxText's ``data``, ``fsdp``,
+    ``fsdp_transpose``, ``context``, ``tensor``, ``tensor_sequence`` and, with experts,
+    ``expert``: ``search.configurations.search_axes``); null: ``spec.mesh`` only."""
+
+    settings: dict[str, tuple[Setting, ...]] = Field(default_factory=dict)
+    """A ``kind: maxtext`` workload's own settings to search beside remat, each a list of
+    values: the memory knobs MaxText offers (``optimizer_memory_host_offload: [false, true]``,
+    ``parameter_memory_host_offload``); every combination with every batch and mesh. Each value
+    is checked with MaxText's loader before anything is written."""
+
+    @field_validator("settings")
+    @classmethod
+    def _some_values(cls, value: dict[str, tuple[Setting, ...]]) -> dict[str, tuple[Setting, ...]]:
+        empty = [key for key, values in value.items() if not values]
+        if empty:
+            raise ValueError(f"{empty[0]}: expected a list of one or more values to search")
+        return value
 
     @field_validator("batch", mode="before")
     @classmethod

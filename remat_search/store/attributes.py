@@ -54,4 +54,4 @@ holds that many, instead of reading and fitting every trial again (``search.cost
 ANCHOR_ATTR = "anchor_seconds"
 """The study's reference time of the anchor plan, in which its anchored step times are stated."""
 
-TrialStatus = Literal["measured", "over_budget", "failed", "interrupted", "running", "waiting"]
+TrialStatus = Literal["measured", "over_budget", "failed", "infeasible", "interrupted", "running", "waiting"]

@@ -42,6 +42,9 @@ class Computation:
     shapes: dict[str, str] = field(default_factory=dict)
     """Each value's shape text."""
     by_name: dict[str, Instruction] = field(default_factory=dict)
+    root: Instruction | None = None
+    """The instruction marked ``ROOT``: what the computation returns. Not always printed last: a
+    scheduled loop body may end with the transfers and kernels it overlaps with its result."""
 
 
 @dataclass
@@ -56,14 +59,14 @@ def parse(hlo: str) -> Module:
     """The module's computations and their instructions, in the printed (scheduled) order."""
     computations: dict[str, Computation] = {}
     entry, current = "", None
-    for line in hlo.splitlines():
+    for line in _instruction_lines(hlo):
         if current is None:
             header = _HEADER.match(line)
             if header:
                 current = computations.setdefault(header[2], Computation(header[2]))
                 entry = header[2] if header[1] else entry
             continue
-        if line.startswith("}"):  # "}" or, for another execution thread's, '}, execution_thread="…"'
+        if line.rstrip() == "}" or line.startswith("}, execution_thread"):  # or another execution thread's end
             current = None
             continue
         instruction = _parse_instruction(line)
@@ -71,7 +74,24 @@ def parse(hlo: str) -> Module:
             current.instructions.append(instruction)
             current.shapes[instruction.name] = instruction.shape
             current.by_name[instruction.name] = instruction
+            if line.lstrip().startswith("ROOT "):
+                current.root = instruction
     return Module(computations, entry)
+
+
+def _instruction_lines(hlo: str) -> list[str]:
+    """The module's lines, an instruction printed over several (a Pallas kernel's attributes
+    may hold a line break: splash attention's ``xprof_metadata``) joined into one."""
+    lines: list[str] = []
+    for line in hlo.splitlines():
+        closing = line.rstrip() == "}" or line.startswith("}, execution_thread")
+        continued = lines and lines[-1].startswith(" ") and not line.startswith(("  %", "  ROOT ")) and not closing
+        continued = continued and line.strip()
+        if continued:
+            lines[-1] += line
+        else:
+            lines.append(line)
+    return lines
 
 
 def _parse_instruction(line: str) -> Instruction | None:
@@ -168,7 +188,7 @@ def trip_count(
     if stated := _TRIP.search(loop.attributes):
         return int(stated[1])
     cond = module.computations.get(condition)
-    root = cond.instructions[-1] if cond and cond.instructions else None
+    root = cond.root if cond else None
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
         return None
     direction = re.search(r"direction=(\w+)", root.attributes)
@@ -199,7 +219,7 @@ def _counter_step(body: Computation | None, index: int) -> int | None:
     iteration: 1 in a scan, more where the compiler unrolled the body (the TPU compiler's
     windowed matmuls over an FSDP gather advance theirs by 2, one chunk from each side of the
     ring each iteration); None where the body's counter is not ``counter + constant``."""
-    root = body.instructions[-1] if body is not None and body.instructions else None
+    root = body.root if body is not None else None
     if root is None or root.opcode != "tuple" or index >= len(root.operands):
         return None
     update = through_copies(body, root.operands[index])

@@ -432,7 +432,7 @@ def _moved(module: Module, computation: Computation, ins: Instruction, space: in
         i = fused.by_name.get(name)
         return origin(i.operands[0]) if i is not None and i.opcode == "bitcast" and i.operands else i
 
-    root = fused.instructions[-1] if fused.instructions else None
+    root = fused.root
     collective = any(_is_collective(i) for i in fused.instructions)
     for p in (i for i in fused.instructions if i.opcode == "parameter"):
         index = int(p.arguments) if p.arguments.isdigit() else -1

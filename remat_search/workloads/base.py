@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remat_search.errors import SpecError, WorkloadError
+from remat_search.errors import CandidateRefused, SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.export import maxtext_configuration
@@ -376,6 +376,8 @@ def _from_factory(config: FactoryConfig) -> Workload:
         raise WorkloadError(f"{where}: module {module_name!r} has no function {function_name!r}")
     try:
         workload = factory(**config.args)
+    except CandidateRefused:  # the factory cannot build this candidate: an infeasible trial, with its reason
+        raise
     except Exception as e:  # noqa: BLE001
         raise WorkloadError(f"{where} raised {type(e).__name__}: {e}") from None
     if not isinstance(workload, Workload):

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remat_search.errors import SpecError
+from remat_search.errors import CandidateRefused, SpecError
 from remat_search.plans.export import maxtext_remat
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.maxtext import maxtext_config, refusal
@@ -146,22 +146,26 @@ class _Program:
         # MaxText counts the devices it builds for: the local ones, or, compiling for a topology
         # (train_compile's compile_topology), the topology's: given as such (internal_compile).
         count = {} if platform == "cpu" else {"internal_compile": True, "internal_compile_num_devices": len(devices)}
-        config = maxtext_config(spec, settings, **count, hardware="cpu" if platform == "cpu" else platform)
-        jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
-        axis_type = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
+        # MaxText refuses a candidate as it builds it (a mesh whose axes do not divide the devices,
+        # or the heads): an infeasible candidate, with MaxText's reason.
         try:
+            config = maxtext_config(spec, settings, **count, hardware="cpu" if platform == "cpu" else platform)
+            jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+            axis_type = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
             placed = maxtext_utils.create_device_mesh(config, devices)
-        except Exception as e:  # noqa: BLE001 - MaxText refuses the mesh (axes that do not divide the devices)
-            raise SpecError(f"MaxText refuses the mesh: {refusal(e)}") from None
-        self.mesh = Mesh(placed, config.mesh_axes, axis_types=(axis_type,) * len(config.mesh_axes))
-        self.config = config
-        args, _, state_shardings, _, model = train_compile.get_shaped_inputs(self.mesh, config)
-        params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
-        input_state = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
-        data = sharding.get_input_data_sharding(config, self.mesh)
-        func, ins, outs, static, donate = maxtext_utils.get_functional_train_with_signature(
-            train.train_step, data, input_state, model, config, params_shardings
-        )
+            self.mesh = Mesh(placed, config.mesh_axes, axis_types=(axis_type,) * len(config.mesh_axes))
+            self.config = config
+            args, _, state_shardings, _, model = train_compile.get_shaped_inputs(self.mesh, config)
+            params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
+            input_state = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
+            data = sharding.get_input_data_sharding(config, self.mesh)
+            func, ins, outs, static, donate = maxtext_utils.get_functional_train_with_signature(
+                train.train_step, data, input_state, model, config, params_shardings
+            )
+        except SpecError as e:  # its config loader's refusal, already in a line
+            raise CandidateRefused(str(e).removeprefix("spec.workload: ")) from None
+        except Exception as e:  # noqa: BLE001 - raised by MaxText's own functions building this candidate
+            raise CandidateRefused(f"MaxText refuses the candidate: {refusal(e)}") from None
         self.shaped, self.in_shardings, self.state_shardings = tuple(args), ins, state_shardings
         self.compiler_options = max_utils.parse_libtpu_flags_to_dict(config.compile_xla_flags)
         jitted = jax.jit(func, in_shardings=ins, out_shardings=outs, static_argnums=static, donate_argnums=donate)

@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from remat_search.errors import SpecError, WorkloadError
+from remat_search.plans.configuration import BATCH_AXES
 
 if TYPE_CHECKING:
     import jax
@@ -18,11 +19,12 @@ PyTree = Any
 
 
 def split_batch_over(mesh: Mesh | None) -> tuple[str, ...]:
-    """The mesh axes the batch's leading dimension is split over: ``data`` and ``fsdp``, those
-    of more than one device (none without a mesh)."""
+    """The mesh axes the batch's leading dimension is split over: those of
+    :data:`~remat_search.plans.configuration.BATCH_AXES` (``data``, ``fsdp``, …) of more than
+    one device (none without a mesh)."""
     if mesh is None:
         return ()
-    return tuple(a for a in mesh.axis_names if a in ("data", "fsdp") and mesh.shape[a] > 1)
+    return tuple(a for a in mesh.axis_names if a in BATCH_AXES and mesh.shape[a] > 1)
 
 
 def own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree, rule_axes: frozenset[str] | None) -> PyTree:

@@ -3,6 +3,7 @@ throughput; the accumulated step is the whole batch's; bad configurations are on
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 import remat_search
+from remat_search.errors import SpecError
 from remat_search.measure.measurement import Measurement, MemoryBreakdown
 from remat_search.measure.runner import Runner
 from remat_search.plans.configuration import Configuration
@@ -76,6 +78,54 @@ def test_configurations_are_every_batch_with_every_mesh_that_divides_the_global_
     assert [(c.batch, c.accumulation) for c in found] == [(1, 4), (2, 2), (4, 1)]
     own = configurations(ConfigurationSpace(batch=(2, 4)), devices=1, mesh=None, sequence=1)
     assert [(c.batch, c.accumulation, c.mesh) for c in own] == [(2, 1, ()), (4, 1, ())]
+
+
+def test_mesh_all_splits_the_devices_over_every_axis_the_workload_shards_over() -> None:
+    """``mesh: all`` is every mesh of the devices over the workload's axes: data and fsdp for
+    the built-in ones, the axes a linen or NNX model's rules map onto too, MaxText's own (a
+    tensor and a sequence axis among them); FSDP over every device first. A MaxText mesh may
+    name only those, a factory's any."""
+    from remat_search.search.configurations import MAXTEXT_AXES, search_axes, splits
+    from remat_search.spec.workloads import LinenConfig
+
+    assert search_axes(TransformerConfig(**TINY_TRANSFORMER)) == (("data", "fsdp"), False)
+    rules = (("batch", ("data", "fsdp")), ("mlp", "tensor"), ("heads", "tensor"), ("length", "sequence"))
+    linen = LinenConfig(kind="linen", model="tests.factories:LinenBlocks", blocks="blocks", batch=2, seq_len=8, vocab=16, logical_axis_rules=rules)
+    assert search_axes(linen) == (("data", "fsdp", "sequence", "tensor"), False)
+    every = splits(4, ("data", "fsdp", "sequence", "tensor"))
+    assert every[0] == {"fsdp": 4} and {"tensor": 4} in every and {"fsdp": 2, "sequence": 2} in every
+    assert len(every) == len({tuple(m.items()) for m in every}) == 10  # 4 = 2 × 2 over 4 axes: C(5, 2) ways
+    assert all(math.prod(m.values()) == 4 and all(n > 1 for n in m.values()) for m in every)
+    space = ConfigurationSpace(batch=(2,), global_batch=8, mesh="all")
+    found = configurations(space, devices=4, mesh=None, sequence=16, axes=("data", "fsdp", "sequence", "tensor"))
+    # the batch is split over data and fsdp only: over a tensor or sequence axis a micro-batch of 2 accumulates more
+    assert {c.mesh: c.accumulation for c in found}[(("tensor", 4),)] == 4
+    assert {c.mesh: c.accumulation for c in found}[(("fsdp", 4),)] == 1
+    assert "context" in MAXTEXT_AXES and "tensor" in MAXTEXT_AXES and "sequence" not in MAXTEXT_AXES
+    with pytest.raises(SpecError, match=r"spec.configuration.mesh.0: the workload shards over no axis 'sequence'"):
+        configurations(ConfigurationSpace(batch=(2,), mesh=({"sequence": 4},)), devices=4, mesh=None, sequence=16,
+                       axes=MAXTEXT_AXES, strict=True)
+
+
+def test_a_configuration_s_settings_are_in_its_plan_and_its_export_and_leave_other_digests_alone() -> None:
+    """MaxText's memory knobs searched beside remat ride on the configuration: every
+    combination with every batch and mesh, in the summary, the plan's text and the export;
+    a configuration without settings keeps the text (and digest) it had before they existed."""
+    from remat_search.plans.export import export
+
+    space = ConfigurationSpace(batch=(2,), mesh=({"fsdp": 4},), settings={"optimizer_memory_host_offload": [False, True]})
+    found = configurations(space, devices=4, mesh=None, sequence=16)
+    assert [c.settings for c in found] == [(("optimizer_memory_host_offload", False),), (("optimizer_memory_host_offload", True),)]
+    plan = RematPlan.uniform("full", 2).model_copy(update={"configuration": found[1]})
+    assert found[1].summary() == "batch 2 · fsdp=4 · optimizer_memory_host_offload=true"
+    assert '"settings":[["optimizer_memory_host_offload",true]]' in plan.to_json()
+    assert "optimizer_memory_host_offload: true" in export(plan, "maxtext")
+    assert "optimizer_memory_host_offload=true" in export(plan, "maxtext-args")
+    bare = RematPlan.uniform("full", 2).model_copy(update={"configuration": Configuration(batch=2, mesh={"fsdp": 4}, sequence=16)})
+    assert "settings" not in bare.to_json()
+    assert bare.digest == RematPlan.from_json(
+        '{"configuration":{"accumulation":1,"batch":2,"mesh":[["fsdp",4]],"sequence":16},'
+        '"layers":[{"kind":"full","names":[]},{"kind":"full","names":[]}]}').digest
 
 
 def _space_of(*configurations: Configuration) -> Space:
@@ -147,6 +197,25 @@ def test_the_planner_proposes_plans_and_configurations_it_has_not_tried(storage_
         before = [u.plan.digest for u in report.trials if u.number < t.number]
         assert report.trials[t.number].plan.digest not in before
     assert {t.params["configuration"] for t in proposed} >= {"batch 4×2 · 1 device"}
+
+
+def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more(storage_url: str) -> None:
+    """A factory that cannot build a configuration raises ``CandidateRefused``: its trial is
+    infeasible (pruned, its constraint violated, the reason kept), never compiled, and the
+    planner proposes that configuration no more (its next candidate is another of the
+    configuration that builds, not another plan of the refused one)."""
+    spec = spec_dict(storage_url, space=SPACE, configuration={"batch": [2, 4]}, trials=4, confirm={"top": 0},
+                     sampler={"kind": "planner", "seed": 0},
+                     workload={"factory": "tests.factories:refusing", "args": {"batch": 2}})
+    report = remat_search.run(parse_spec(spec))
+    assert [t.status for t in report.trials] == ["measured", "measured", "infeasible", "measured"], [
+        (t.status, t.summary(), t.prediction is not None) for t in report.trials]
+    refused = report.trials[2]
+    assert refused.plan.configuration.batch == 4 and refused.peak_bytes is None
+    assert refused.error == "this model cannot run a batch of 4"
+    assert all(t.plan.configuration.batch == 2 for t in report.trials if t.number != 2)
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    assert study.trials[2].state == TrialState.PRUNED and study.trials[2].system_attrs["constraints"] == [1.0]
 
 
 def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_url: str, cli: Any) -> None:
@@ -231,6 +300,10 @@ def test_a_study_stored_before_configurations_resumes(storage_url: str) -> None:
     ({"configuration": {"batch": [2]}, "timing": {"anchor": True}}, "spec.timing.anchor: a study of configurations"),
     ({"configuration": {"batch": [2]}, "workload": {"factory": "tests.factories:delayed", "args": {}}},
      "spec.configuration: a factory workload's batch is its own"),
+    ({"configuration": {"batch": [2], "settings": {"optimizer_memory_host_offload": [True]}}},
+     "spec.configuration.settings.optimizer_memory_host_offload: only a kind: maxtext workload has settings"),
+    ({"configuration": {"batch": [2], "settings": {"optimizer_memory_host_offload": []}}},
+     "spec.configuration.settings"),
 ])
 def test_bad_configurations_are_one_line_errors_and_nothing_is_written(
     tmp_path: Path, storage_url: str, cli: Any, overrides: dict[str, Any], message: str,

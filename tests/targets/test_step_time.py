@@ -306,6 +306,26 @@ def test_a_loop_whose_counter_steps_by_two_runs_half_as_many_times() -> None:
     assert e.instructions == 4 * 4  # each iteration: the two matmuls, the counter's copy and its add
 
 
+SCHEDULED_AFTER_ROOT = STEPPED.replace(
+    "  ROOT %tuple.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %a, %w)\n",
+    "  ROOT %tuple.1 = (u32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %a, %w)\n"
+    '  %kernel.1 = bf16[64,256]{1,0} custom-call(%a, %w), custom_call_target="tpu_custom_call", '
+    'frontend_attributes={"xprof_metadata":"{\\"block_q\\": 512}"\n'
+    '}}, metadata={op_name="jit(train_step)/pallas_call"}\n',
+)
+
+
+def test_a_loop_body_printed_past_its_root_over_lines_a_kernel_breaks_keeps_its_trip_count() -> None:
+    # MaxText's scanned decoder with splash attention, compiled for a v5e: the scheduled loop body
+    # prints its ROOT tuple before the Pallas call it overlaps, whose attributes hold a line
+    # break (and a line starting "}}"). Reading the last line as the root, or that "}}" as the
+    # body's end, lost the trip count: each scanned layer counted once, a 16B step estimated at
+    # 165 ms, not 9.1 s.
+    e = estimate_step(SCHEDULED_AFTER_ROOT, CHIP)
+    assert e.unknown_trip_counts == 0
+    assert e.flops == 8 * 2 * 64 * 256 * 128
+
+
 V5E = TpuTarget(platform="tpu", topology="v5e:2x2")
 MODEL = {"kind": "transformer", "layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 256, "batch": 16,
          "vocab": 256, "attention": "dense"}

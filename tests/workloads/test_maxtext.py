@@ -45,9 +45,11 @@ def maxtext_spec(tmp_path: Path, **overrides: object) -> dict:
 
 
 def searched(tmp_path: Path, spec: dict) -> list[optuna.trial.FrozenTrial]:
-    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    home = tmp_path / "home"  # MaxText's base.yml keeps a JAX compilation cache in ~/jax_cache: not in a study
+    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)), env={"HOME": str(home)})
     out = search.communicate(timeout=1200)[0]
     assert search.returncode == 0, out[-4000:]
+    assert not (home / "jax_cache").exists()
     # MaxText brings libtpu: on a host without TPUs it stays quiet (and transformers, which MaxText imports)
     assert not [noise for noise in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "[transformers]") if noise in out], out
     study = optuna.load_study(study_name="mt", storage=spec["storage"])
@@ -80,20 +82,55 @@ def test_on_cpu_each_trial_s_peak_is_maxtext_s_own_compile_of_its_settings(tmp_p
 
 @needs_maxtext
 def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile_s_own(tmp_path: Path) -> None:
+    """Over ``fsdp=2 × tensor=2`` the trial's peak is ``train_compile``'s own; a mesh MaxText
+    refuses (``tensor=4`` over 2 key/value heads) is an infeasible trial with MaxText's reason,
+    never compiled, and the study goes on."""
+    two_kv = {**TINY, "base_num_kv_heads": 2}
     spec = maxtext_spec(
-        tmp_path, target={"platform": "tpu", "topology": "v5e:2x2"}, trials=1, space={"layout": "uniform", "choices": CHOICES[1:2]},
-        configuration={"batch": [2], "mesh": [{"fsdp": 2, "tensor": 2}]},  # MaxText's ici_tensor_parallelism: 2
+        tmp_path, target={"platform": "tpu", "topology": "v5e:2x2"}, trials=2, space={"layout": "uniform", "choices": CHOICES[1:2]},
+        workload={"kind": "maxtext", "overrides": two_kv}, sampler={"kind": "planner", "seed": 0},
+        configuration={"batch": [2], "mesh": [{"fsdp": 2, "tensor": 2}, {"tensor": 4}]},  # MaxText's ici_tensor_parallelism
     )
     trials = searched(tmp_path, spec)
-    assert len(trials) == 1, [t.user_attrs for t in optuna.load_study(study_name="mt", storage=spec["storage"]).trials]
+    every = optuna.load_study(study_name="mt", storage=spec["storage"]).trials
+    assert len(trials) == 1, [t.user_attrs for t in every]
     plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
     assert all(plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2} for plan in plans)
     owns = maxtexts_own([
-        {**TINY, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1, "skip_jax_distributed_system": True}
+        {**two_kv, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1, "skip_jax_distributed_system": True}
         for plan in plans
     ])
     for trial, plan, own in zip(trials, plans, owns, strict=True):
         assert trial.values[1] == own["peak"], (plan.summary(), trial.values, own)
+    [refused] = [t for t in every if t.state == optuna.trial.TrialState.PRUNED]
+    measured = json.loads(refused.user_attrs["measurement"])
+    assert measured["status"] == "infeasible" and measured.get("peak_bytes") is None, measured
+    assert measured["error"].startswith("MaxText refuses the candidate: num_kv_heads (2)"), measured
+    assert "divisible by 4" in measured["error"] and "\n" not in measured["error"]
+    assert dict(RematPlan.from_json(refused.user_attrs[PLAN_ATTR]).configuration.mesh) == {"tensor": 4}
+    assert refused.system_attrs["constraints"] == [1.0]  # the samplers see it as infeasible
+
+
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+def test_maxtext_s_axes_are_what_mesh_all_spans_and_a_setting_maxtext_refuses_is_a_spec_error() -> None:
+    """``mesh: all`` of a MaxText workload spans MaxText's axes (a MaxText mesh may name only
+    them); a memory knob to search is read by MaxText's loader, value by value, before anything
+    is written."""
+    from remat_search.errors import SpecError
+    from remat_search.search.configurations import MAXTEXT_AXES, check_workload, search_axes
+    from remat_search.spec.loading import parse_spec
+    from remat_search.spec.workloads import MaxTextConfig
+
+    assert search_axes(MaxTextConfig(kind="maxtext", overrides=TINY)) == (MAXTEXT_AXES, True)
+    assert search_axes(MaxTextConfig(kind="maxtext", overrides={**TINY, "num_experts": 4, "base_moe_mlp_dim": 128, "num_experts_per_tok": 2}))[0][-1] == "expert"
+    base = {"study": "mt", "storage": "sqlite:///unused.db", "workload": {"kind": "maxtext", "overrides": TINY}, "space": "maxtext",
+            "trials": 2}
+    good = parse_spec({**base, "configuration": {"batch": [1], "settings": {"optimizer_memory_host_offload": [False, True]}}})
+    check_workload(good)
+    bad = parse_spec({**base, "configuration": {"batch": [1], "settings": {"optimizer_memory_host_offload": [False, "sometimes"]}}})
+    with pytest.raises(SpecError, match=r"^spec.configuration.settings.optimizer_memory_host_offload: MaxText refuses the settings: "):
+        check_workload(bad)
 
 
 @needs_maxtext

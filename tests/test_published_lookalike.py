@@ -1,4 +1,4 @@
-"""``benchmarks/published_configs.py``'s own arithmetic: the models it rebuilds and the FLOP
+"""``benchmarks/published_lookalike.py``'s own arithmetic: the models it rebuilds and the FLOP
 counts it turns MaxText's published figures into, against what MaxText printed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import published_configs as pc  # noqa: E402
+import published_lookalike as pc  # noqa: E402
 
 
 def test_the_flop_count_gives_back_the_tflops_maxtext_logged() -> None:
@@ -46,13 +46,13 @@ def test_the_kept_studies_say_what_the_docs_say() -> None:
     # throughput (the searches, libtpu's default flags); 3 of 5 estimates within ±15% of the
     # published step, 4 with the v5e's leave-one-out correction (v6e's is not applied),
     # compiled with the flags MaxText ran each run with (their own studies); read
-    # from the studies benchmarks/published_configs.py kept (results/studies/published_configs.db).
+    # from the studies benchmarks/published_lookalike.py kept (results/studies/published_lookalike.db).
     import json
 
     import remat_search
     from remat_search.measure.measurement import MEASUREMENT_SCHEMA
 
-    storage = f"sqlite:///{Path(pc.__file__).parent / 'results' / 'studies' / 'published_configs.db'}"
+    storage = f"sqlite:///{Path(pc.__file__).parent / 'results' / 'studies' / 'published_lookalike.db'}"
     gains, ratios, default, flagged_gains = {}, {}, {}, {}
     for run in pc.RUNS:
         report, flagged = (remat_search.load_report(name, storage) for name in pc.study_names(run))
@@ -94,7 +94,7 @@ def test_the_kept_studies_say_what_the_docs_say() -> None:
 
 def test_the_host_link_sweep_estimated_the_studies_programs_again() -> None:
     # docs/benchmarks.md: each candidate of each study under MaxText's flags that fits the HBM,
-    # compiled again and estimated at each host link (results/published_configs_links.json): at
+    # compiled again and estimated at each host link (results/published_lookalike_links.json): at
     # the model's own 15 GB/s it is the estimate the study stored, to the bit (the same
     # program); a faster link never makes a step slower; the v5e runs do not move with it. At 15
     # GB/s 3 of 5 published configurations are beaten by >= 5%, at 32 and 64 GB/s 2 (the 70B's
@@ -103,7 +103,7 @@ def test_the_host_link_sweep_estimated_the_studies_programs_again() -> None:
 
     import remat_search
 
-    storage = f"sqlite:///{Path(pc.__file__).parent / 'results' / 'studies' / 'published_configs.db'}"
+    storage = f"sqlite:///{Path(pc.__file__).parent / 'results' / 'studies' / 'published_lookalike.db'}"
     links = json.loads(pc.LINKS.read_text())
     assert sorted(links) == sorted(run.name for run in pc.RUNS)
     own = f"{pc.HOST_LINKS[0]:.0f}"
