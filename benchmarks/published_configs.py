@@ -26,7 +26,7 @@ The 2023 runs (v5e, v5p) trained MaxText's model of 2023 (its ``base.yml`` then:
 decoder block, ReLU MLP, 8 heads of 256, tied embedding), which MaxText 0.2.5 still builds
 (``decoder_block: default`` with those dimensions: :data:`MODEL_2023`); the v6e runs name MaxText
 models. What differs from the runs: this machine's libtpu and MaxText 0.2.5, not the commit's.
-Writes ``benchmarks/results/published_configs.md`` and keeps the studies in
+Writes ``benchmarks/results/published_configs.md`` (and its picture, ``published_configs.png``) and keeps the studies in
 ``benchmarks/results/studies/published_maxtext.db``.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import re
 import statistics
@@ -45,6 +46,7 @@ from typing import Any
 import optuna
 
 import remat_search
+from remat_search.plans.configuration import BATCH_AXES
 from remat_search.report.results import StudyReport, TrialResult, rank
 from remat_search.spec.loading import parse_spec
 from remat_search.targets.step_time import CHIPS
@@ -72,10 +74,35 @@ V5E_FLAGS = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_
 V5P_FLAGS = ("--xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true "
              "--xla_tpu_enable_ag_backward_pipelining=true " + V5E_FLAGS.replace(
                  " --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true", ""))
-V6E_FLAGS = "--xla_tpu_scoped_vmem_limit_kib=98304"
-"""Of the v6e recipes' flags, the one their attention blocks need to compile (the rest, the
-SparseCore and scheduler groups, slow this machine's compiles several times over: see the
-look-alike's page)."""
+# The v6e recipes' LIBTPU_INIT_ARGS, from the groups of MaxText's benchmarks/xla_flags_library.py at
+# each recipe's commit. One flag of those groups is left out: ``--2a886c8_chip_config_name``, which the
+# public libtpu does not know (MaxText's own Pathways runs remove it too).
+DATA_PARALLEL_OVERLAP = "--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true"
+CF_FOR_ALL_GATHER = (
+    "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
+    "--xla_enable_async_all_gather=true")
+DENSE_VMEM_LIMIT = "--xla_tpu_scoped_vmem_limit_kib=98304"
+LAYOUT_FOR_ALL_REDUCE_SCATTER = (
+    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true --xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
+    "--xla_tpu_assign_all_reduce_scatter_layout=true")
+SPARSECORE_ALL_REDUCE = (
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false --xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+    "--xla_tpu_enable_all_reduce_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=true "
+    "--xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true")
+HOST_OFFLOAD = (
+    "--xla_tpu_enable_all_experimental_scheduler_features=true --xla_tpu_enable_scheduler_memory_pressure_tracking=true "
+    "--xla_tpu_host_transfer_overlap_limit=24 --xla_tpu_aggressive_opt_barrier_removal=ENABLED "
+    "--xla_lhs_prioritize_async_depth_over_stall=ENABLED --xla_tpu_enable_ag_backward_pipelining=true "
+    "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED --xla_should_add_loop_invariant_op_in_chain=ENABLED "
+    "--xla_max_concurrent_host_send_recv=100 --xla_tpu_scheduler_percent_shared_memory_limit=100 "
+    "--xla_latency_hiding_scheduler_rerun=2")
+V6E_8B_FLAGS = " ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, SPARSECORE_ALL_REDUCE,
+                         HOST_OFFLOAD])
+V6E_70B_FLAGS = " ".join([DENSE_VMEM_LIMIT, SPARSECORE_ALL_REDUCE])
+"""The v6e recipes' flags but :data:`CF_FOR_ALL_GATHER`: libtpu 0.0.50 refuses its continuation fusion
+for all-gathers on a v6e ("not supported/recommended on platforms other than TPU v5e"), which 0.0.42
+compiled (the look-alike's page)."""
 
 FULL, MINIMAL = "full", {"label": "minimal", "names": [*QKV, "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo"]}
 SAVE_QKV = {"label": "save_qkv_proj", "names": QKV}
@@ -140,23 +167,23 @@ RUNS = [
         V5E_FLAGS, tflops=118.0, mfu=0.5990, convention="6N", meshes=[{"data": 2, "fsdp": 128}]),
     Run("v5p-32b", "v5p:4x4x4", gps(32), 8, 2048, {"fsdp": 16, "tensor": 4}, [MINIMAL, FULL, SAVE_QKV, QKV_OFFLOADED],
         "328 TFLOP/s per chip, 71.47% MFU", "MaxText 76bd53b0f: MaxText/configs/v5p/README.md (1x v5p-128), v5p/32b.sh",
-        V5P_FLAGS, tflops=328.0, mfu=0.7147, convention="6N-causal", meshes=[{"fsdp": 32, "tensor": 2}]),
+        V5P_FLAGS, tflops=328.0, mfu=0.7147, convention="6N-causal", meshes=[{"fsdp": 64}]),
     Run("v5p-64b", "v5p:4x4x4", gps(64), 4, 2048, {"fsdp": 16, "tensor": 4}, [MINIMAL, FULL, SAVE_QKV, QKV_OFFLOADED],
         "323 TFLOP/s per chip, 70.31% MFU", "MaxText 76bd53b0f: MaxText/configs/v5p/README.md (1x v5p-128), v5p/64b.sh",
-        V5P_FLAGS, tflops=323.0, mfu=0.7031, convention="6N-causal", meshes=[{"fsdp": 32, "tensor": 2}]),
+        V5P_FLAGS, tflops=323.0, mfu=0.7031, convention="6N-causal", meshes=[{"fsdp": 64}]),
     Run("v5p-128b", "v5p:4x4x8", gps(128), 2, 2048, {"fsdp": 16, "tensor": 8}, [MINIMAL, FULL, SAVE_QKV, QKV_OFFLOADED],
         "315 TFLOP/s per chip, 68.68% MFU", "MaxText 76bd53b0f: MaxText/configs/v5p/README.md (1x v5p-256), v5p/128b.sh",
         V5P_FLAGS, tflops=315.0, mfu=0.6868, convention="6N-causal", meshes=[{"fsdp": 32, "tensor": 4}]),
     Run("v6e-llama3.1-8b", "v6e:16x16", {"model_name": "llama3.1-8b", **{f"sa_block_{b}": 2048 for b in (
         "q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")}, "sa_use_fused_bwd_kernel": True},
-        4, 8192, {"fsdp": 256}, [OFFLOAD_QKVO, FULL, OFFLOAD_INPUT, QKV_OFFLOADED],
+        4, 8192, {"fsdp": 256}, [OFFLOAD_QKVO, OFFLOAD_INPUT],
         "4.546 s a step, 7,207 tokens/s per chip", "MaxText tpu-recipes-v0.1.4 (9f1820b4): "
-        "benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192", V6E_FLAGS, step_seconds=4.546, trials=4),
+        "benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192", V6E_8B_FLAGS, step_seconds=4.546, trials=3),
     Run("v6e-llama2-70b", "v6e:16x16", {"model_name": "llama2-70b", "sa_block_q": 1024, "sa_block_q_dkv": 2048,
-        "sa_block_q_dq": 2048}, 2, 4096, {"fsdp_transpose": 256}, [QKV_OFFLOADED, FULL, MINIMAL, SAVE_QKV],
+        "sa_block_q_dq": 2048}, 2, 4096, {"fsdp_transpose": 256}, [QKV_OFFLOADED, FULL],
         "9.052 s a step, 905 tokens/s per chip", "MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py "
-        "llama2_70b_4096_sc", V6E_FLAGS, step_seconds=9.052, meshes=[{"fsdp": 256}],
-        settings={"optimizer_memory_host_offload": [False, True]}, trials=4),
+        "llama2_70b_4096_sc", V6E_70B_FLAGS, step_seconds=9.052, meshes=[{"fsdp": 256}],
+        settings={"optimizer_memory_host_offload": [False, True]}, trials=3),
 ]
 """Eight of MaxText's published runs on three TPU generations, three with a tensor axis (the v5p
 table). Sources are MaxText's repository (github.com/AI-Hypercomputer/maxtext) at the commit named."""
@@ -187,8 +214,15 @@ def published_step(run: Run) -> float:
     return published_tflops(run) / (run.mfu * CHIPS[run.chip].bf16_flops / 1e12)
 
 
+def batch(run: Run) -> int:
+    """The published batch in a configuration's terms: examples a data-parallel device runs
+    (MaxText's ``per_device_batch_size`` counts every chip, a tensor axis's too)."""
+    ways = math.prod(n for axis, n in run.mesh.items() if axis in BATCH_AXES)
+    return run.per_device_batch * run.chips // ways
+
+
 def spec(run: Run, storage: str, trials: int) -> dict[str, Any]:
-    micro = [b for b in range(run.per_device_batch, 0, -1) if run.per_device_batch % b == 0][:2]
+    micro = [b for b in range(batch(run), 0, -1) if batch(run) % b == 0][:2]
     return {
         "study": f"maxtext-{run.name}", "storage": storage,
         "workload": {"kind": "maxtext", "overrides": {**run.model, **SYNTHETIC, "max_target_length": run.seq}},
@@ -217,7 +251,7 @@ def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
     """The trial of the published configuration: the published policy at the first configuration."""
     for t in report.trials:
         c = t.plan.configuration if t.plan else None
-        if c is not None and dict(c.mesh) == run.mesh and c.batch == run.per_device_batch and c.accumulation == 1 \
+        if c is not None and dict(c.mesh) == run.mesh and c.batch == batch(run) and c.accumulation == 1 \
                 and not any(v for _, v in c.settings) and t.labels and set(t.labels) == {label(run.choices[0])}:
             return t
     return None
@@ -274,6 +308,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str) -> str:
         "Every figure below is an **estimate** of the model, uncalibrated: no calibration exists yet (issue 38). "
         "The look-alike decoder's ratios (`published_lookalike.md`, jax 0.10, kept for one release) stand beside them.\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
+        "![estimate / published step, each run](published_configs.png)\n",
         "| run | chips | batch a chip × tokens | mesh | remat | published | published step | compiled peak a chip | "
         "estimated step | est. / published | look-alike's est. / published |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -297,6 +332,30 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str) -> str:
         *[f"- **{run.name}**: {run.source}; `LIBTPU_INIT_ARGS={run.flags}`" for run, _, _ in results], "",
     ]
     return "\n".join(lines)
+
+
+def plot(ratios: dict[str, float], looks: dict[str, str], path: Path) -> None:
+    """Each run's estimate / published step, MaxText's program beside the look-alike's, the
+    ±15% band shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(ratios)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.axhspan(0.85, 1.15, color="0.92", label="within ±15%")
+    ax.axhline(1.0, color="0.5", lw=0.8)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [ratios[n] for n in names], width=0.4, label="MaxText's program (kind: maxtext)")
+    ax.bar([i + 0.2 for i in x], [float(looks[n]) if n in looks else 0 for n in names], width=0.4,
+           label="look-alike decoder (jax 0.10)", color="0.65")
+    ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("estimated / published step")
+    ax.set_ylim(0, max([1.3, *ratios.values()]))
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -325,6 +384,10 @@ def main() -> None:
         print(f"{run.name}: {len(report.trials)} trials, {(time.monotonic() - start) / 60:.1f} min", flush=True)
     command = "python benchmarks/published_configs.py" + (f" --trials {args.trials}" if args.trials else "")
     PAGE.write_text(page(results, command))
+    ratios = {run.name: t.seconds / published_step(run) for run, report, _ in results
+              if (t := published_trial(run, report)) is not None and t.seconds}
+    if ratios:
+        plot(ratios, lookalike_ratios(), PAGE.with_suffix(".png"))
     print(f"wrote {PAGE}")
 
 

@@ -61,6 +61,14 @@ import jax.numpy as jnp
 import optax
 import optuna
 from jax.ad_checkpoint import checkpoint_name
+from published_configs import (
+    CF_FOR_ALL_GATHER,
+    DATA_PARALLEL_OVERLAP,
+    DENSE_VMEM_LIMIT,
+    HOST_OFFLOAD,
+    LAYOUT_FOR_ALL_REDUCE_SCATTER,
+    SPARSECORE_ALL_REDUCE,
+)
 from search_quality_tpu import fresh_storage, versions
 
 import remat_search
@@ -197,26 +205,6 @@ INPUT_OFFLOADED_QKV_KEPT = {"label": "input_offloaded_qkv_kept", "per_name": {"d
 # benchmarks/xla_flags_library.py at each recipe's commit. One flag of those groups is left out:
 # ``--2a886c8_chip_config_name``, which the public libtpu does not know (MaxText's own Pathways
 # runs remove it too).
-DATA_PARALLEL_OVERLAP = "--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true"
-CF_FOR_ALL_GATHER = (
-    "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
-    "--xla_enable_async_all_gather=true")
-DENSE_VMEM_LIMIT = "--xla_tpu_scoped_vmem_limit_kib=98304"
-LAYOUT_FOR_ALL_REDUCE_SCATTER = (
-    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true --xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
-    "--xla_tpu_assign_all_reduce_scatter_layout=true")
-SPARSECORE_ALL_REDUCE = (
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false --xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-    "--xla_tpu_enable_all_reduce_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=true "
-    "--xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true")
-HOST_OFFLOAD = (
-    "--xla_tpu_enable_all_experimental_scheduler_features=true --xla_tpu_enable_scheduler_memory_pressure_tracking=true "
-    "--xla_tpu_host_transfer_overlap_limit=24 --xla_tpu_aggressive_opt_barrier_removal=ENABLED "
-    "--xla_lhs_prioritize_async_depth_over_stall=ENABLED --xla_tpu_enable_ag_backward_pipelining=true "
-    "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED --xla_should_add_loop_invariant_op_in_chain=ENABLED "
-    "--xla_max_concurrent_host_send_recv=100 --xla_tpu_scheduler_percent_shared_memory_limit=100 "
-    "--xla_latency_hiding_scheduler_rerun=2")
 V5E_2023_FLAGS = f"{DATA_PARALLEL_OVERLAP} {CF_FOR_ALL_GATHER}"
 
 # The flash kernel's blocks of each run, as MaxText tiled it: the v5e runs of 2023 called this

@@ -199,15 +199,21 @@ def test_the_planner_proposes_plans_and_configurations_it_has_not_tried(storage_
     assert {t.params["configuration"] for t in proposed} >= {"batch 4×2 · 1 device"}
 
 
-def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more(storage_url: str) -> None:
+def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more(
+    tmp_path: Path, storage_url: str, cli: Any
+) -> None:
     """A factory that cannot build a configuration raises ``CandidateRefused``: its trial is
-    infeasible (pruned, its constraint violated, the reason kept), never compiled, and the
-    planner proposes that configuration no more (its next candidate is another of the
-    configuration that builds, not another plan of the refused one)."""
+    infeasible (pruned, its constraint violated, the reason kept), never compiled, `run` counts
+    it, and the planner proposes that configuration no more (its next candidate is another of
+    the configuration that builds, not another plan of the refused one)."""
     spec = spec_dict(storage_url, space=SPACE, configuration={"batch": [2, 4]}, trials=4, confirm={"top": 0},
                      sampler={"kind": "planner", "seed": 0},
                      workload={"factory": "tests.factories:refusing", "args": {"batch": 2}})
-    report = remat_search.run(parse_spec(spec))
+    result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    assert result.exit_code == 0, result.output
+    assert "1 infeasible (refused by the workload, never compiled)" in result.stdout, result.stdout
+    assert "infeasible: this model cannot run a batch of 4" in result.output, result.output
+    report = remat_search.load_report("tiny", storage_url)
     assert [t.status for t in report.trials] == ["measured", "measured", "infeasible", "measured"], [
         (t.status, t.summary(), t.prediction is not None) for t in report.trials]
     refused = report.trials[2]
