@@ -261,7 +261,7 @@ def lookalike_ratios() -> dict[str, str]:
     """The look-alike decoder's estimate / published, by run, from its kept page (jax 0.10)."""
     if not LOOKALIKE.exists():
         return {}
-    found = re.findall(r"^\| (v\w+-[\w.]+) \|.*?\| \*\*([0-9.]+)\*\* \|", LOOKALIKE.read_text(), flags=re.M)
+    found = re.findall(r"^\| (v[\w.-]+) \|.*?\| \*\*([0-9.]+)\*\* \|", LOOKALIKE.read_text(), flags=re.M)
     return dict(found)
 
 

@@ -14,8 +14,14 @@ import math
 from remat_search.errors import SpecError
 from remat_search.plans.configuration import BATCH_AXES, Configuration
 from remat_search.spec.models import ConfigurationSpace, SearchSpec
-from remat_search.spec.workloads import MESH_AXES, FactoryConfig, MaxTextConfig, MlpConfig, WorkloadConfig
-from remat_search.workloads.sharding import rule_targets
+from remat_search.spec.workloads import (
+    MESH_AXES,
+    FactoryConfig,
+    MaxTextConfig,
+    MlpConfig,
+    WorkloadConfig,
+    rule_targets,
+)
 
 
 def check_workload(spec: SearchSpec) -> None:

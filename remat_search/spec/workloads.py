@@ -154,6 +154,13 @@ e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's lo
 ``spec.mesh`` does not list is at size 1 (not split over)."""
 
 
+def rule_targets(rules: AxisRules | None) -> frozenset[str]:
+    """The mesh axes logical axis ``rules`` (:data:`AxisRules`) map onto."""
+    return frozenset(
+        axis for _, target in rules or () for axis in ((target,) if isinstance(target, str) else target or ())
+    )
+
+
 class NnxConfig(_WorkloadConfig):
     """A Flax NNX model searched as it is (see ``nnx_workload.py``): its class (or a function
     returning it) by import path, called with ``args`` (and ``rngs`` when it takes them)."""

@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.workloads import LinenConfig
+from remat_search.spec.workloads import LinenConfig, rule_targets
 from remat_search.workloads.base import PyTree, Workload, next_token_loss
-from remat_search.workloads.sharding import flax_tracing, rule_targets
+from remat_search.workloads.sharding import flax_tracing
 from remat_search.workloads.tracing import traced_names
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)

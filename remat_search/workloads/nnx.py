@@ -37,9 +37,9 @@ from flax import nnx
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.workloads import NnxConfig
+from remat_search.spec.workloads import NnxConfig, rule_targets
 from remat_search.workloads.base import PyTree, Workload, next_token_loss
-from remat_search.workloads.sharding import flax_tracing, rule_targets
+from remat_search.workloads.sharding import flax_tracing
 from remat_search.workloads.tracing import traced_names
 
 M = TypeVar("M", bound=nnx.Module)

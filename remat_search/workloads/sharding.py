@@ -66,13 +66,6 @@ def own_shardings(mesh: Mesh, partitioning: PyTree, params: PyTree, rule_axes: f
     )
 
 
-def rule_targets(rules: Any) -> frozenset[str]:
-    """The mesh axes logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) map onto."""
-    return frozenset(
-        axis for _, target in rules or () for axis in ((target,) if isinstance(target, str) else target or ())
-    )
-
-
 def rules_on(rules: Any, mesh: Mesh | None) -> tuple[tuple[str, Any], ...] | None:
     """Logical axis ``rules`` (:data:`~remat_search.spec.models.AxisRules`) with the axes ``mesh``
     lacks left out (a name mapped only onto those is unsplit), as a model run on that mesh
