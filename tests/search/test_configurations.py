@@ -204,22 +204,24 @@ def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more
 ) -> None:
     """A factory that cannot build a configuration raises ``CandidateRefused``: its trial is
     infeasible (pruned, its constraint violated, the reason kept), never compiled, `run` counts
-    it, and the planner proposes that configuration no more (its next candidate is another of
-    the configuration that builds, not another plan of the refused one)."""
+    it, and the planner proposes that configuration no more."""
     spec = spec_dict(storage_url, space=SPACE, configuration={"batch": [2, 4]}, trials=4, confirm={"top": 0},
                      sampler={"kind": "planner", "seed": 0},
                      workload={"factory": "tests.factories:refusing", "args": {"batch": 2}})
     result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
     assert result.exit_code == 0, result.output
-    assert "1 infeasible (refused by the workload, never compiled)" in result.stdout, result.stdout
+    assert "infeasible (refused by the workload, never compiled)" in result.stdout, result.stdout
     assert "infeasible: this model cannot run a batch of 4" in result.output, result.output
     report = remat_search.load_report("tiny", storage_url)
-    assert [t.status for t in report.trials] == ["measured", "measured", "infeasible", "measured"], [
+    # the presets at the first configuration, then the planner measures the other one: refused
+    assert [t.status for t in report.trials[:3]] == ["measured", "measured", "infeasible"], [
         (t.status, t.summary(), t.prediction is not None) for t in report.trials]
     refused = report.trials[2]
-    assert refused.plan.configuration.batch == 4 and refused.peak_bytes is None
+    assert refused.plan.configuration.batch == 4 and refused.peak_bytes is None and refused.prediction is not None
     assert refused.error == "this model cannot run a batch of 4"
-    assert all(t.plan.configuration.batch == 2 for t in report.trials if t.number != 2)
+    # the planner proposes it no more (TPE, where the planner has nothing new, learns from the constraint)
+    assert all(t.plan.configuration.batch == 2 for t in report.trials[3:] if t.prediction is not None)
+    assert all(t.status == "infeasible" for t in report.trials if t.plan.configuration.batch == 4)
     study = optuna.load_study(study_name="tiny", storage=storage_url)
     assert study.trials[2].state == TrialState.PRUNED and study.trials[2].system_attrs["constraints"] == [1.0]
 
