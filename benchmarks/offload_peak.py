@@ -30,7 +30,9 @@ from remat_search.spec.models import TpuTarget
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.targets.base import target_of
 from remat_search.targets.hlo import parse, shape_arrays
-from remat_search.targets.step_time import CHIPS, HOST_MEMORY_SPACE, estimate_step
+from remat_search.targets.chips import CHIPS
+from remat_search.targets.step_time import estimate_step
+from remat_search.targets.traffic import HOST_MEMORY_SPACE
 from remat_search.units import format_bytes
 from remat_search.workloads.base import build_workload
 

@@ -36,7 +36,7 @@ from search_quality_tpu import fresh_storage, search, versions
 
 import remat_search
 from remat_search.search.loop import measure_params
-from remat_search.targets.step_time import TPU_HOST_BYTES_PER_SECOND
+from remat_search.targets.chips import TPU_HOST_BYTES_PER_SECOND
 from remat_search.units import format_bytes
 
 HERE = Path(__file__).resolve().parent

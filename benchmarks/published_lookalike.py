@@ -80,7 +80,8 @@ from remat_search.search.loop import measure_params
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TpuTarget
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS, TPU_HOST_BYTES_PER_SECOND, StepEstimate, estimate_step
+from remat_search.targets.chips import CHIPS, TPU_HOST_BYTES_PER_SECOND
+from remat_search.targets.step_time import StepEstimate, estimate_step
 from remat_search.targets.tpu import TpuAotTarget
 from remat_search.units import format_bytes
 from remat_search.workloads.transformer import FLASH_BLOCK_FIELDS, TransformerWorkload, _attention, _split_batch

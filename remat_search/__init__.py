@@ -7,6 +7,7 @@ The public API::
     remat_search.submit(spec)                             # or store it for workers: remat_search.work(url)
     front = remat_search.pareto_front("demo-transformer-cpu")
     best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
+    cal = remat_search.calibrate(remat_search.load_samples(path), name="h100", compiler="jax 0.11")  # remat-search calibrate
     advice = remat_search.plan_for_budget("demo-transformer-cpu", 200 * 2**20)  # predicted
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
     model = remat_search.apply_nnx(model, best.plan)      # a Flax NNX model's blocks, in place
@@ -45,7 +46,9 @@ if TYPE_CHECKING:
     from remat_search.service.worker import work
     from remat_search.spec.loading import load_spec
     from remat_search.spec.models import SearchSpec
+    from remat_search.targets.calibration import Calibration, Sample, calibrate, load_calibration, load_samples
     from remat_search.targets.platform import compiler_options
+    from remat_search.targets.step_time import Efficiencies, StepEstimate
     from remat_search.units import parse_bytes
     from remat_search.workloads.base import Workload, build_workload
     from remat_search.workloads.nnx import apply_nnx
@@ -54,6 +57,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
     **dict.fromkeys(('CandidateRefused', 'NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
     **dict.fromkeys(('compiler_options',), "remat_search.targets.platform"),
+    **dict.fromkeys(('Calibration', 'Sample', 'calibrate', 'load_calibration', 'load_samples'), "remat_search.targets.calibration"),
+    **dict.fromkeys(('Efficiencies', 'StepEstimate'), "remat_search.targets.step_time"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
     **dict.fromkeys(('Advice', 'plan_for_budget'), "remat_search.search.advice"),
@@ -77,9 +82,11 @@ _API: dict[str, str] = {
 __all__ = [
     "POLICIES",
     "Advice",
+    "Calibration",
     "CandidateRefused",
     "Comparison",
     "CostModel",
+    "Efficiencies",
     "LayerPolicy",
     "Measurement",
     "MemoryBreakdown",
@@ -88,8 +95,10 @@ __all__ = [
     "RematPlan",
     "RematSearchError",
     "RunError",
+    "Sample",
     "SearchSpec",
     "SpecError",
+    "StepEstimate",
     "StorageError",
     "StudyReport",
     "Submitted",
@@ -100,13 +109,16 @@ __all__ = [
     "apply_nnx",
     "best_plan",
     "build_workload",
+    "calibrate",
     "checkpoint_policy",
     "compare_times",
     "compiler_options",
     "confirm_study",
     "fit_cost_model",
     "list_studies",
+    "load_calibration",
     "load_report",
+    "load_samples",
     "load_spec",
     "pareto_front",
     "parse_bytes",

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads stud
     from remat_search.report.results import StudyReport, TrialResult
     from remat_search.search.advice import Advice
     from remat_search.search.progress import Progress
+    from remat_search.targets.calibration import Calibration
 
 console = Console()
 errors = Console(stderr=True)
@@ -283,6 +284,35 @@ def front_table(study: str, budget: int, front: Iterable[TrialResult]) -> Table:
         + ("" if _narrow() else ", peak as % of it") + ")",
         front, budget=budget,
     )
+
+
+def calibration_table(calibration: Calibration) -> Group:
+    """Each sample of a calibration (measured, estimated uncalibrated, fitted, left out), then its
+    figures and its leave-one-out error by kind of plan."""
+    table = _table(
+        f"Calibration {calibration.name!r} ({', '.join(calibration.chips)}; {calibration.compiler})",
+        {"sample": _PLAN, "kind": {}, "measured": _NUMBER, "uncalibrated": _NUMBER, "fitted": _NUMBER,
+         "left out": _NUMBER, "error": _NUMBER},
+    )
+    for s in calibration.samples:
+        table.add_row(s.label, s.kind, format_seconds(s.measured_seconds), format_seconds(s.uncalibrated_seconds),
+                      format_seconds(s.calibrated_seconds), format_seconds(s.loo_seconds), f"{s.loo_error:+.1%}")
+    lines = [Text(calibration_figures(calibration))]
+    for kind, error in calibration.errors().items():
+        band = calibration.band(kind)  # type: ignore[arg-type]
+        assert band is not None
+        lines.append(Text(f"{kind}: leave-one-out error up to {error:.1%} (measured / estimate {band[0]:.3f}-{band[1]:.3f})"))
+    return Group(table, *lines)
+
+
+def calibration_figures(calibration: Calibration) -> str:
+    """The fitted figures, in words."""
+    e = calibration.efficiencies
+    words = {"matmul": f"matmuls at {e.matmul:.3g} of peak FLOP/s", "hbm": f"HBM traffic at {e.hbm:.3g} of its bandwidth",
+             "ici": f"collectives at {e.ici:.3g} of ICI bandwidth", "host_link": f"host transfers at {e.host_link:.3g} of the link",
+             "host_overlap": f"{e.host_overlap or 0:.3g} of the compute beside a transfer hides it",
+             "launch_seconds": f"{format_seconds(e.launch_seconds)} an instruction besides its work"}
+    return "fitted: " + "; ".join(words[f] for f in calibration.fitted)
 
 
 def studies_table(summaries: Iterable[StudySummary]) -> Table:

@@ -9,6 +9,7 @@ writes, but ``plan --measure``.
 from __future__ import annotations
 
 from pathlib import Path
+from re import fullmatch as re_fullmatch
 from typing import Annotated, Any
 
 import typer
@@ -18,6 +19,9 @@ from remat_search.cli.flags import BudgetOption, PlotOption, StorageOption, Stud
 from remat_search.errors import SpecError
 from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.text import (
+    has_band,
+    rivals,
+    rivals_note,
     answer_note,
     budget_line,
     describe_trial,
@@ -110,6 +114,7 @@ def best(
         for_maxtext = maxtext_answer(stored, limit) if form.startswith("maxtext") else None
         found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
         untimed = stored.untimed_within(limit)
+        close = rivals(found, stored.trials_within(limit)) if has_band(found) else []
     note = answer_note(found, limit, settlement(stored.attrs), stored.name)
     if form != "table":
         assert found.plan is not None
@@ -121,6 +126,8 @@ def best(
         output.console.print(describe_trial(found))
     if note:
         output.note(note)
+    if within := rivals_note(found, close):
+        output.note(within)
     if untimed:
         output.errors.print(
             f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them"
@@ -200,3 +207,59 @@ def show(
         output.console.print(line, highlight=False, markup=False)
     if report is not None and path is not None:
         _draw(report, path, layers=True)
+
+
+def calibrate(
+    samples: Annotated[list[Path] | None, typer.Argument(
+        metavar="SAMPLES.json", show_default=False,
+        help="Files of measured programs: a JSON list of {label, chip, program, measured_seconds, kind} "
+             "(benchmarks/gpu_step_time.py writes one beside its programs).")] = None,
+    name: Annotated[str, typer.Option("--name", metavar="NAME", help="The calibration's name (it names the file too).")] = "",
+    study: Annotated[str | None, typer.Option("--study", "-s", metavar="NAME",
+                     help="Also every trial this study ran and timed on its devices (its programs are kept).")] = None,
+    storage: StorageOption = None,
+    chip: Annotated[str | None, typer.Option("--chip", metavar="KEY",
+                    help="The chip --study's devices are (h100, h200, v5e, v5p, v6e, v4), where their device kind "
+                         "does not say it.")] = None,
+    compiler: Annotated[str | None, typer.Option("--compiler", metavar="TEXT",
+                        help="The compiler the samples were compiled by (default: the study's; else unstated).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", metavar="PATH",
+                   help="Where to write the calibration (default: calibrations/NAME.json in the storage home).")] = None,
+) -> None:
+    """Fit the step-time model to measured steps, and measure its error.
+
+    The model's free figures (the fractions of its peak FLOP/s, HBM, ICI and host link a chip
+    reaches, and a cost per instruction) are fitted so that the estimates of the samples' programs
+    come closest to their measured steps; each sample is then estimated with the figures fitted on
+    all the others (leave-one-out): that error, by kind of plan, is the calibration's band. Name
+    the file in a TPU spec (target: {platform: tpu, topology: ..., calibration: PATH}) to estimate
+    with it: show and best then state the band of each estimate.
+
+    On a TPU VM or a GPU host, one command: remat-search run SPEC (a spec on target: local), then
+    remat-search calibrate --study NAME --name my-chip.
+    """
+    from remat_search.report.queries import study_samples
+    from remat_search.store.location import storage_home
+    from remat_search.targets.calibration import calibrate as fit_calibration
+    from remat_search.targets.calibration import load_samples
+
+    if not name or not re_fullmatch(r"[A-Za-z0-9][\w.\-]*", name):
+        raise SpecError(f"--name: expected a name of letters, digits, '.', '-' and '_' such as h100-jax0.11, got {name!r}")
+    found = [s for path in samples or [] for s in load_samples(path)]
+    stated = compiler
+    if study is not None:
+        of_study, stated = study_samples(flags.study(study), storage, chip=chip)
+        if not of_study:
+            raise SpecError(f"--study: {study!r} has no trial that ran on its devices with its program kept; "
+                            "a study on target: local keeps them")
+        found += of_study
+        stated = compiler or stated
+    if not found:
+        raise SpecError("calibrate: no samples; name a SAMPLES.json file or --study")
+    target = out or storage_home() / "calibrations" / f"{name}.json"
+    with output.errors.status(f"fitting on {len(found)} samples, then each left out"):
+        calibration = fit_calibration(found, name=name, compiler=stated or "unstated")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(calibration.model_dump_json(indent=1) + "\n")
+    output.console.print(output.calibration_table(calibration))
+    output.console.print(f"wrote {target}", highlight=False, markup=False)

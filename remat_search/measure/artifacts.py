@@ -24,6 +24,9 @@ from typing import Any
 
 ARTIFACTS = "artifacts"
 """The folder of the storage home (``store.location.storage_home``) that holds each study's artifacts."""
+PROGRAMS = "programs"
+"""The folder of a study's artifacts that keeps each compiled program's text, by its digest
+(``<digest>.hlo.gz``): what ``remat-search calibrate --study`` fits the step-time model on."""
 
 
 def reference_key(parts: dict[str, Any]) -> str:

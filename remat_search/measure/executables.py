@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,10 +97,12 @@ class Executables:
 
     def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
                  capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None,
-                 configuration: Configuration | None = None) -> None:
+                 configuration: Configuration | None = None, programs: Path | None = None) -> None:
         """``configuration``: the one the workload and mesh were built for (its plans carry
-        it), where the study searches configurations; the anchor and reference run at it."""
-        self.workload, self.mesh, self.capacity = workload, mesh, capacity
+        it), where the study searches configurations; the anchor and reference run at it.
+        ``programs``: a folder where each compiled program's text is kept (:func:`keep_program`),
+        for a calibration of the step-time model to read later; None: not kept."""
+        self.workload, self.mesh, self.capacity, self.programs = workload, mesh, capacity, programs
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
         self.anchor_plan = anchor_plan(workload.layers).model_copy(update={"configuration": configuration})
@@ -181,11 +184,34 @@ class Executables:
             peak = oom.required or oom.temp + io_bytes(lowered, abstract)
             return Build(None, time.perf_counter() - start, started, oom=(peak, oom.temp, oom.available))
         text, cost = compiled.as_text(), program_cost(compiled)
+        digest = program_digest(text)
+        if self.programs is not None and digest is not None:
+            keep_program(self.programs, digest, text)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
-            program=program_digest(text), estimate=None if self.target.executes else self.target.estimate(text, cost),
+            program=digest, estimate=None if self.target.executes else self.target.estimate(text, cost, plan.kind),
         )
+
+
+def keep_program(folder: Path, digest: str, text: str) -> None:
+    """Keep a compiled program's text as ``folder/<digest>.hlo.gz`` unless it is there: written
+    aside and renamed into place, so that workers keeping one at once never leave half a file.
+    Best effort: a folder that cannot be written keeps nothing (the measurement stands)."""
+    import gzip
+    import os
+    import uuid
+
+    path = folder / f"{digest}.hlo.gz"
+    if path.exists():
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        aside = folder / f".{digest}.{uuid.uuid4().hex}"
+        aside.write_bytes(gzip.compress(text.encode(), mtime=0))
+        os.replace(aside, path)
+    except OSError:
+        return
 
 
 Known = Callable[[str], RawMeasurement | None]

@@ -22,7 +22,7 @@ import psutil
 
 from remat_search.errors import CandidateRefused, RunError, SpecError, WorkloadError
 from remat_search.measure import protocol
-from remat_search.measure.artifacts import ReferenceStore, reference_key
+from remat_search.measure.artifacts import PROGRAMS, ReferenceStore, reference_key
 from remat_search.measure.device import describe, reference_parts
 from remat_search.measure.executables import Executables, Known, measure, retime
 from remat_search.measure.measurement import Measurement, RawMeasurement
@@ -96,7 +96,8 @@ def serve(
     conn.send(protocol.Ready(info.model_dump_json()))
     store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
-    base = Executables(workload, target=target, mesh=mesh, reference_store=store)
+    programs = None if artifacts is None else Path(artifacts) / PROGRAMS  # for a calibration (calibrate --study)
+    base = Executables(workload, target=target, mesh=mesh, reference_store=store, programs=programs)
     executables = _Configured(base, workload_config, target)
     while True:
         try:
@@ -142,7 +143,8 @@ class _Configured:
             mesh = self._target.mesh(configuration.mesh_axes)
             workload.use_mesh(mesh)
             check_params_from(workload)
-            self._built[configuration] = Executables(workload, target=self._target, mesh=mesh, configuration=configuration)
+            self._built[configuration] = Executables(workload, target=self._target, mesh=mesh, configuration=configuration,
+                                                     programs=self._base.programs)
         return self._built[configuration]
 
     def retime(self, plans: list[RematPlan], **how: Any) -> list[tuple[float, ...]]:

@@ -85,6 +85,15 @@ class RematPlan(BaseModel):
         return len(set(self.layers)) == 1
 
     @property
+    def kind(self) -> Literal["keep", "recompute", "offload"]:
+        """What it does with the layers' activations, as a calibration's error is kept by
+        (``targets.calibration``): ``offload`` where a layer moves tensors to host memory,
+        ``recompute`` where a layer is checkpointed, ``keep`` where none is (no remat)."""
+        if any(p.host_memory for p in self.layers):
+            return "offload"
+        return "recompute" if any(p.checkpoints for p in self.layers) else "keep"
+
+    @property
     def tensor_names(self) -> frozenset[str]:
         """Every tensor name any layer's policy refers to."""
         return frozenset(n for p in self.layers for n in p.tensor_names)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +22,8 @@ from remat_search.report.results import StudyReport, TrialResult
 from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.stored import StoredStudy, open_studies, open_study
 from remat_search.spec.budget import DEVICE, Share, read_budget
+from remat_search.targets.calibration import Sample
+from remat_search.targets.chips import chip_key
 
 if TYPE_CHECKING:
     from remat_search.workloads.base import Workload
@@ -188,3 +191,31 @@ def estimate_seconds(finished: Sequence[float | None], *, total: int | None, run
     if not took or left <= 0:
         return None
     return statistics.fmean(took) * left / max(1, min(running, left))
+
+
+def study_samples(study: str, storage: str | None = None, *, chip: str | None = None) -> tuple[list[tuple[Sample, Path]], str]:
+    """The calibration samples of ``study``: each trial that ran and was timed on its devices,
+    its compiled program (kept in the study's artifacts, ``measure.artifacts.PROGRAMS``) and its
+    measured median step; and the compiler the study compiled with. ``chip``: the chip's key
+    (``h100``, ``v5e``) where the study's device kind does not say it."""
+    from remat_search.measure.artifacts import ARTIFACTS, PROGRAMS
+    from remat_search.store.location import storage_home
+
+    with open_study(study, storage) as stored:
+        trials, device = stored.trials(), stored.device
+    key = chip or chip_key(str(device.get("device_kind", "")))
+    if key is None:
+        raise SpecError(f"--chip: study {study!r} ran on {device.get('device_kind') or 'an unknown device'}, which is not a "
+                        "chip the step-time model knows; name it (--chip h100, v5e, …)")
+    folder = storage_home() / ARTIFACTS / study / PROGRAMS
+    samples = []
+    for t in trials:
+        m = t.measurement
+        if m is None or m.time_source != "measured" or not m.program_digest or t.plan is None or t.seconds is None:
+            continue
+        path = folder / f"{m.program_digest}.hlo.gz"
+        if path.is_file():
+            samples.append((Sample(label=f"{study}#{t.number}", chip=key, program=str(path), measured_seconds=t.seconds,
+                                   kind=t.plan.kind, source=f"{device.get('device_kind', '')}, study {study!r}"), path))
+    compiler = str(device.get("compiler_packages") or device.get("compiler_version") or "unstated")
+    return samples, compiler

@@ -211,6 +211,18 @@ class StoredStudy:
         except _Inconsistent:
             return list(self.report().front)
 
+    def trials_within(self, budget: int) -> list[TrialResult]:
+        """The timed trials whose compiled peak fits ``budget`` (by indexed SQL on the peak)."""
+        rows = self._rows(
+            "SELECT t.trial_id FROM trials t "
+            "JOIN trial_values s ON s.trial_id = t.trial_id AND s.objective = 0 "
+            "JOIN trial_values p ON p.trial_id = t.trial_id AND p.objective = 1 "
+            "WHERE t.study_id = :study AND t.state = 'COMPLETE' AND s.value_type = 'FINITE' "
+            "AND p.value <= :budget ORDER BY t.trial_id",
+            budget=float(budget),
+        )
+        return [t for t in self._load([r[0] for r in rows]).values() if t.seconds is not None]
+
     def untimed_within(self, budget: int) -> list[TrialResult]:
         """:meth:`StudyReport.untimed_within`: compiled over the study's budget, within ``budget``."""
         rows = self._rows(

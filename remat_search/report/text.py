@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads stud
     from remat_search.measure.measurement import MemoryBreakdown, RawMeasurement
     from remat_search.report.queries import StudySummary
     from remat_search.report.results import Settlement, TrialResult
+    from remat_search.targets.step_time import StepEstimate
 
 
 def front_json(front: Iterable[TrialResult]) -> str:
@@ -51,8 +52,67 @@ def step_text(t: TrialResult) -> str:
     estimated; with its throughput where it carries a configuration."""
     if t.seconds is None:
         return "—"
-    text = format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": " (est.)"}.get(t.time_source or "", "")
+    text = format_seconds(t.seconds) + {"confirmed": " ✓", "estimated": f" ({estimate_mark(t)})"}.get(t.time_source or "", "")
     return text if t.throughput is None else f"{text}, {throughput_text(t)}"
+
+
+def estimate_mark(t: TrialResult) -> str:
+    """How an estimated step is marked: ``est.``, with its band where one is known (``est.
+    ×0.97-1.03``: the measured step lay between those multiples of such an estimate) and ``cal.``
+    where a calibration priced it."""
+    e = t.measurement.estimate if t.measurement is not None else None
+    if e is None or e.band is None:
+        return "est."
+    return f"{'cal. ' if e.calibration else ''}est. ×{e.band[0]:.2f}-{e.band[1]:.2f}"
+
+
+def band_text(e: StepEstimate) -> str:
+    """Where an estimate's error comes from, in words: its calibration's leave-one-out, the
+    published runs of its chip, or nothing known."""
+    if e.band is None:
+        return "uncalibrated, its error unknown: no published run or calibration of this chip gives one"
+    low, high = e.band
+    if e.calibration:
+        return (f"calibrated ({e.calibration}): measured steps of plans of this kind were {low:.2f}–{high:.2f}× "
+                "their leave-one-out estimates")
+    return (f"uncalibrated: MaxText's published runs of this generation took {low:.2f}–{high:.2f}× the model's "
+            "estimates (remat-search calibrate fits it to your own measurements)")
+
+
+def has_band(t: TrialResult) -> bool:
+    """Its step is an estimate with a known band (only then can others be within its error)."""
+    e = t.measurement.estimate if t.measurement is not None else None
+    return t.time_estimated and e is not None and e.band is not None
+
+
+def rivals(found: TrialResult, others: Iterable[TrialResult]) -> list[TrialResult]:
+    """The estimated candidates among ``others`` whose step is within each other's band of
+    ``found``'s: the steps their bands allow overlap, so the estimate cannot tell which is faster
+    (for candidates of a configuration search, the time a token or example takes: their steps'
+    batches differ). None where ``found`` is measured or its band unknown."""
+    def span(t: TrialResult) -> tuple[float, float] | None:
+        e = t.measurement.estimate if t.measurement is not None else None
+        if not has_band(t) or e is None or e.band is None or t.seconds is None:
+            return None
+        per = 1 / t.throughput if t.throughput else t.seconds
+        return per * e.band[0], per * e.band[1]
+
+    mine = span(found)
+    if mine is None:
+        return []
+    return [t for t in others if t.number != found.number and (theirs := span(t)) is not None
+            and theirs[0] <= mine[1] and mine[0] <= theirs[1]]
+
+
+def rivals_note(found: TrialResult, close: list[TrialResult], shown: int = 3) -> str | None:
+    """``best``'s note where its estimated answer is within the estimate's error of others."""
+    if not close:
+        return None
+    named = ", ".join(f"trial {t.number} ({t.summary()}, {format_seconds(t.seconds or 0)})" for t in close[:shown])
+    more = f" and {len(close) - shown} more" if len(close) > shown else ""
+    return (f"note: within the estimate's error of: {named}{more}; its band "
+            f"×{found.measurement.estimate.band[0]:.2f}–{found.measurement.estimate.band[1]:.2f} "  # type: ignore[union-attr]
+            "cannot tell which is faster: measure them on the chip")
 
 
 def throughput_text(t: TrialResult) -> str:
@@ -192,7 +252,8 @@ def _estimate_line(m: RawMeasurement) -> str:
         f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
         f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP{padded}, "
         f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
-        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){host}{old}; nothing was run"
+        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){host}{old}; nothing was run\n"
+        f"  error: {band_text(e)}"
     )
 
 

@@ -229,6 +229,8 @@ _SCRIPT = """
     const peak = Number(response.headers.get("X-Remat-Search-Peak-Bytes"));
     const step = Number(response.headers.get("X-Remat-Search-Seconds"));
     const source = response.headers.get("X-Remat-Search-Time-Source");
+    const mark = response.headers.get("X-Remat-Search-Estimate") || "estimated";
+    const within = response.headers.get("X-Remat-Search-Within-Error");
     let labels = [];
     try {
       const t = await (await fetch(data.base + "/trials/" + encodeURIComponent(trial))).json();
@@ -237,7 +239,7 @@ _SCRIPT = """
     const facts = el("dl", {class: "facts"},
       el("dt", {}, "trial"), el("dd", {id: "answer-trial"}, trial),
       el("dt", {}, "step time"), el("dd", {id: "answer-step"},
-        seconds(step) + (source === "confirmed" ? " ✓ confirmed" : source === "estimated" ? " (estimated)" : "")),
+        seconds(step) + (source === "confirmed" ? " ✓ confirmed" : source === "estimated" ? " (" + mark + ")" : "")),
       el("dt", {}, "compiled peak"), el("dd", {id: "answer-peak"}, bytes(peak)));
     const rows = plan.layers.map((p, i) => el("tr", {},
       el("td", {class: "n"}, String(i)),
@@ -247,6 +249,8 @@ _SCRIPT = """
       el("thead", {}, el("tr", {}, el("th", {}, "layer"), el("th", {}, "policy"))), el("tbody", {}, ...rows));
     answer.replaceChildren(
       el("p", {class: "ok"}, "fits " + budget + (plan.layout === "nested" ? " (nested layout)" : "")),
+      ...(within ? [el("p", {class: "error", id: "answer-within"}, "within the estimate's error of trial(s) " + within
+                        + ": its band cannot tell which is faster; measure them on the chip")] : []),
       facts, table, el("pre", {id: "plan-json"}, text.trim()),
       el("p", {class: "hint"}, "the same from a shell:"),
       el("pre", {}, "curl '" + location.origin + url + "' > plan.json"));

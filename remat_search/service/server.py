@@ -34,7 +34,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.queries import StudySummary, budget_bytes, list_studies, summarize
 from remat_search.report.results import TrialResult
 from remat_search.report.stored import open_study
-from remat_search.report.text import front_json, no_trial_text, untimed_text
+from remat_search.report.text import estimate_mark, front_json, has_band, no_trial_text, rivals, untimed_text
 from remat_search.service.page import render_page
 from remat_search.spec.budget import read_budget
 from remat_search.spec.fields import check_study_name
@@ -127,7 +127,8 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
         description=(
             "The plan's canonical JSON (`RematPlan.from_json` loads it). Headers: X-Remat-Search-Trial (its trial), "
             "-Peak-Bytes (its compiled peak), -Seconds (its one step time), -Time-Source (confirmed, search or "
-            "estimated), and -Note where plans fit but were never timed (over the study's budget). 404 names the smallest peak measured when nothing fits; 422 for a malformed budget."
+            "estimated), -Estimate (an estimated step's mark: its band, calibrated or not), -Within-Error (where other "
+            "estimated candidates are within the estimate's error of it: their trial numbers), and -Note where plans fit but were never timed (over the study's budget). 404 names the smallest peak measured when nothing fits; 422 for a malformed budget."
         ),
         responses={200: {"model": RematPlan}, 404: {"description": "no measured plan fits the budget"}},
         response_class=Response,
@@ -141,6 +142,7 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
             limit = budget_bytes(budget, stored)
             found = stored.best(limit)
             untimed = stored.untimed_within(limit)
+            close = rivals(found, stored.trials_within(limit)) if has_band(found) else []
         assert found.plan is not None
         headers = {  # what `best` without --json shows beside the plan; the body stays best --json's
             "X-Remat-Search-Trial": str(found.number),
@@ -148,6 +150,10 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
             "X-Remat-Search-Seconds": repr(found.seconds),
             "X-Remat-Search-Time-Source": str(found.time_source),
         }
+        if found.time_estimated:
+            headers["X-Remat-Search-Estimate"] = estimate_mark(found)
+        if close:
+            headers["X-Remat-Search-Within-Error"] = ", ".join(str(t.number) for t in close)
         if untimed:
             headers["X-Remat-Search-Note"] = untimed_text(len(untimed), limit, stored.budget)
         return Response(found.plan.to_json() + "\n", media_type="application/json", headers=headers)

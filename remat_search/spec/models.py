@@ -209,8 +209,13 @@ class TpuTarget(Frozen):
     host_link: BytesPerSecond | None = None
     """The bytes a second one chip's link to its host carries one way, where you know it
     (``32GB/s``): what an offloaded tensor's transfers are priced at. None: the step-time
-    model's assumption (``targets.step_time.TPU_HOST_BYTES_PER_SECOND``, 15 GB/s), which
+    model's assumption (``targets.chips.TPU_HOST_BYTES_PER_SECOND``, 15 GB/s), which
     Google Cloud publishes no figure to check."""
+    calibration: str | None = None
+    """A calibration of the step-time model (a file ``remat-search calibrate`` wrote, fitted on
+    this chip's measured steps): every candidate's step is estimated with its figures and
+    carries its error band. None: the datasheet's figures, the band the published runs of this
+    generation showed (``targets.chips.PUBLISHED_BANDS``)."""
 
     @field_validator("topology")
     @classmethod

@@ -18,6 +18,8 @@ _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\](\{[^{}]*\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+"""The computations an instruction calls, by role: ``dict(CALLED.findall(ins.attributes))``."""
 
 
 @dataclass

@@ -12,7 +12,9 @@ from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
 from remat_search.targets.platform import quiet_libtpu, tpu_chips_attached
-from remat_search.targets.step_time import CHIPS, StepEstimate, estimate_step
+from remat_search.targets.calibration import load_calibration, with_band
+from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS
+from remat_search.targets.step_time import UNCALIBRATED, StepEstimate, estimate_step
 from remat_search.units import size_argument
 
 
@@ -34,13 +36,19 @@ class TpuAotTarget(Target):
         if config.host_link is not None:
             self.chip = self.chip.model_copy(update={"host_bytes_per_second": float(config.host_link)})
         self.host_link = config.host_link
+        self.generation = generation
+        self.calibration = None if config.calibration is None else load_calibration(config.calibration)
+        if self.calibration is not None and generation not in self.calibration.chips:
+            raise SpecError(f"spec.target.calibration: {config.calibration} was fitted on "
+                            f"{', '.join(self.calibration.chips)}, not {generation}; expected a calibration of this chip")
         self._devices: list[Any] | None = None
 
     @property
     def name(self) -> str:
-        """The topology, and the host link where the spec gives one: it prices what offload
-        costs, so a measurement kept for one link (the cache's key) is not another's."""
-        return self.topology if self.host_link is None else f"{self.topology}, host link {size_argument(self.host_link)}/s"
+        """The topology, and the host link and calibration where the spec gives them: they price
+        the step, so a measurement kept for one (the cache's key) is not another's."""
+        name = self.topology if self.host_link is None else f"{self.topology}, host link {size_argument(self.host_link)}/s"
+        return name if self.calibration is None else f"{name}, calibration {self.calibration.name}"
 
     def devices(self) -> list[Any]:
         if self._devices is None:
@@ -53,8 +61,11 @@ class TpuAotTarget(Target):
     def memory_limit(self, mesh: Any) -> int:
         return probe_hbm(mesh)
 
-    def estimate(self, hlo: str, cost: dict[str, float]) -> StepEstimate:
-        return estimate_step(hlo, self.chip, cost)
+    def estimate(self, hlo: str, cost: dict[str, float], kind: str = "recompute") -> StepEstimate:
+        efficiencies = self.calibration.efficiencies if self.calibration is not None else UNCALIBRATED
+        estimate = estimate_step(hlo, self.chip, cost, efficiencies)
+        kind = "offload" if estimate.host_bytes else kind  # a memory knob offloads too
+        return with_band(estimate, self.calibration, kind, PUBLISHED_BANDS.get(self.generation))  # type: ignore[arg-type]
 
 
 def _topology_devices(topology: str) -> list[Any]:

@@ -4,7 +4,7 @@ padded to whole tiles of the unit's side."""
 from __future__ import annotations
 
 from remat_search.targets.mxu import mxu_flops
-from remat_search.targets.step_time import CHIPS
+from remat_search.targets.chips import CHIPS
 
 
 def test_a_matmul_of_whole_tiles_costs_its_flops() -> None:

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import target_of
 from remat_search.targets.pallas_kernels import kernel_flops
-from remat_search.targets.step_time import CHIPS, estimate_step
+from remat_search.targets.chips import CHIPS
+from remat_search.targets.step_time import estimate_step
 
 B, H, S, D, BLOCK = 1, 2, 512, 128, 128  # B a chip
 SCORES = B * H * S * S * D  # one matmul of the scores' shape, halved: 2·B·H·S·S·D is its FLOPs

@@ -14,7 +14,8 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.results import TrialResult
 from remat_search.spec.models import TimingConfig, TpuTarget
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS, GPUS, Chip, estimate_step, gpu_chip
+from remat_search.targets.chips import CHIPS, GPUS, Chip, gpu_chip
+from remat_search.targets.step_time import estimate_step
 from remat_search.targets.base import target_of
 from remat_search.workloads.base import build_workload
 

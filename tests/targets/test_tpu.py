@@ -19,7 +19,7 @@ from remat_search.report.results import TrialResult
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig, TpuTarget
 from remat_search.spec.workloads import TransformerConfig
-from remat_search.targets.step_time import CHIPS
+from remat_search.targets.chips import CHIPS
 from remat_search.targets.base import target_of
 from remat_search.targets.tpu import TpuAotTarget
 from remat_search.units import format_bytes

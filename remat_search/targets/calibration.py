@@ -1,0 +1,239 @@
+"""Calibrations of the step-time model: its free figures fitted to measured steps, and its
+error measured, never assumed.
+
+A **sample** is one compiled program and the step time a chip took to run it: a trial of a
+study that ran on its devices (its program kept in the study's artifacts), a row of
+``benchmarks/gpu_step_time.py``, or a published run whose step is known. A calibration fits the
+model's :class:`~remat_search.targets.step_time.Efficiencies` (the fractions of each peak the
+chip reaches, what each instruction costs besides its work) so that the estimates of its
+samples come closest to their measured steps (least squares of the log ratio). Its error is
+each sample's **leave-one-out** estimate: fitted on all the others, priced on the one left out,
+set against its measured step; the band of a kind of plan (keep / recompute / offload) is the
+lowest and highest measured / leave-one-out ratio among its samples. A study that names a
+calibration (``target.calibration``) prices every candidate with its figures and carries that
+band with each estimate; ``show`` and ``best`` state it.
+
+A calibration is a JSON file (:class:`Calibration`): the chips and compiler it was fitted
+on, the figures, and every sample with its measured, uncalibrated, fitted and leave-one-out
+step. ``remat-search calibrate`` writes one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from remat_search.errors import SpecError
+from remat_search.targets.chips import CHIPS, GPUS, Chip
+from remat_search.targets.step_time import UNCALIBRATED, Efficiencies, StepEstimate, price
+from remat_search.targets.work import Work, read_work
+
+PlanKind = Literal["keep", "recompute", "offload"]
+"""What a plan does with its layers' activations: keeps them all (no remat), recomputes some,
+or offloads some to host memory (whatever else it does)."""
+KINDS: tuple[PlanKind, ...] = ("keep", "recompute", "offload")
+FIGURES = ("matmul", "hbm", "ici", "host_link", "host_overlap", "launch_seconds")
+"""The free figures a calibration may fit (:class:`Efficiencies`' fields)."""
+_LOG_BOUNDS = (math.log(0.05), math.log(2.0))
+_LAUNCH_BOUND = 1e-4
+
+
+def chip_of(key: str) -> Chip:
+    """The chip of a key of :data:`~remat_search.targets.chips.CHIPS` or ``GPUS`` (``v5e``, ``h100``)."""
+    chip = {**CHIPS, **GPUS}.get(key)
+    if chip is None:
+        raise SpecError(f"calibration: unknown chip {key!r}; expected one of {sorted({**CHIPS, **GPUS})}")
+    return chip
+
+
+class Sample(BaseModel):
+    """One compiled program and the step time its chip took."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    label: str
+    chip: str
+    """A key of ``CHIPS`` or ``GPUS``: ``v5e``, ``h100``, …"""
+    program: str
+    """The optimized HLO module's text (``.hlo``, or gzipped ``.hlo.gz``): a path, relative to the
+    samples file that lists it."""
+    measured_seconds: float = Field(gt=0)
+    kind: PlanKind
+    source: str = ""
+    """Where the measured step comes from: a device and date, a published run's page."""
+
+
+class Fitted(BaseModel):
+    """One sample in a calibration: its measured step and the model's estimates of it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    label: str
+    chip: str
+    kind: PlanKind
+    measured_seconds: float
+    uncalibrated_seconds: float
+    calibrated_seconds: float
+    """Estimated with the figures fitted on every sample, this one included."""
+    loo_seconds: float
+    """Estimated with the figures fitted on every other sample: the calibration's error."""
+    source: str = ""
+
+    @property
+    def loo_error(self) -> float:
+        """The leave-one-out estimate's error: estimated / measured - 1."""
+        return self.loo_seconds / self.measured_seconds - 1
+
+
+class Calibration(BaseModel):
+    """The step-time model's figures fitted on measured steps, and its leave-one-out error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    chips: tuple[str, ...]
+    """The chips of its samples: a study on another chip cannot use it."""
+    compiler: str
+    """The compiler its samples were compiled by (the figures describe that compiler's programs)."""
+    efficiencies: Efficiencies
+    fitted: tuple[str, ...]
+    """Which figures were fitted (the others stay at the datasheet's chip)."""
+    samples: tuple[Fitted, ...]
+
+    def band(self, kind: PlanKind | None = None) -> tuple[float, float] | None:
+        """Measured / leave-one-out estimate, lowest and highest, over the samples of ``kind``
+        (all samples where it has none, or ``kind`` is None); None without samples."""
+        chosen = [s for s in self.samples if s.kind == kind] or list(self.samples)
+        ratios = [s.measured_seconds / s.loo_seconds for s in chosen]
+        return (min(ratios), max(ratios)) if ratios else None
+
+    def errors(self) -> dict[str, float]:
+        """The largest leave-one-out error (|estimated / measured - 1|) by kind of plan."""
+        found: dict[str, float] = {}
+        for s in self.samples:
+            found[s.kind] = max(found.get(s.kind, 0.0), abs(s.loo_error))
+        return found
+
+
+def load_samples(path: Path) -> list[tuple[Sample, Path]]:
+    """The samples a JSON file lists (a list of :class:`Sample`), each with its program's path.
+    A bad file is a :class:`SpecError` naming the field."""
+    try:
+        listed = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"calibrate: samples file {path}: {e}") from None
+    if not isinstance(listed, list):
+        raise SpecError(f"calibrate: samples file {path}: expected a JSON list of samples, got {type(listed).__name__}")
+    samples = []
+    for i, item in enumerate(listed):
+        try:
+            samples.append(Sample.model_validate(item))
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise SpecError(f"calibrate: samples file {path} [{i}].{'.'.join(str(p) for p in first['loc'])}: "
+                            f"{first['msg']}") from None
+    for s in samples:
+        chip_of(s.chip)
+        if not (path.parent / s.program).is_file():
+            raise SpecError(f"calibrate: samples file {path}: {s.label}.program: no file {path.parent / s.program}")
+    return [(s, path.parent / s.program) for s in samples]
+
+
+def read_program(path: Path) -> str:
+    """A program's text, gzipped or not."""
+    data = path.read_bytes()
+    return (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode()
+
+
+def fit(works: Sequence[Work], chips: Sequence[Chip], measured: Sequence[float],
+        figures: Sequence[str] | None = None) -> Efficiencies:
+    """The :class:`Efficiencies` under which the estimates of ``works`` on ``chips`` come closest
+    to the ``measured`` seconds (least squares of log(estimated / measured)), fitting
+    ``figures`` (default: :func:`figures_for` the samples) and leaving the others at 1."""
+    from scipy.optimize import least_squares
+
+    chosen = tuple(figures) if figures is not None else figures_for(works, chips)
+    bounds = [(0.0, _LAUNCH_BOUND) if f == "launch_seconds" else (0.0, 1.0) if f == "host_overlap" else _LOG_BOUNDS
+              for f in chosen]
+    if not chosen:
+        return UNCALIBRATED
+
+    def efficiencies(x: Sequence[float]) -> Efficiencies:
+        return Efficiencies(**{f: (v if f in ("launch_seconds", "host_overlap") else math.exp(v)) for f, v in zip(
+            chosen, x, strict=True)})
+
+    def residuals(x: Sequence[float]) -> list[float]:
+        e = efficiencies(x)
+        return [math.log(price(w, c, e).seconds / m) for w, c, m in zip(works, chips, measured, strict=True)]
+
+    start = [0.0 if f != "host_overlap" else 0.5 for f in chosen]
+    scale = [_LAUNCH_BOUND / 10 if f == "launch_seconds" else 1.0 for f in chosen]
+    found = least_squares(residuals, start, bounds=([b[0] for b in bounds], [b[1] for b in bounds]),
+                          x_scale=scale, diff_step=1e-6, xtol=1e-12, ftol=1e-12, gtol=1e-12)
+    return efficiencies(found.x)
+
+
+def figures_for(works: Sequence[Work], chips: Sequence[Chip]) -> tuple[str, ...]:
+    """The figures samples can tell apart: matmul and HBM fractions and the launch cost always;
+    the host link where a sample offloads, the ICI where a sample has collectives on a chip that
+    prices them."""
+    estimates = [price(w, c) for w, c in zip(works, chips, strict=True)]
+    chosen = ["matmul", "hbm", "launch_seconds"]
+    if any(e.host_bytes for e in estimates):
+        chosen.append("host_link")
+    if any(e.collective_seconds for e in estimates):
+        chosen.append("ici")
+    return tuple(chosen)
+
+
+def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: str,
+              figures: Sequence[str] | None = None) -> Calibration:
+    """Fit a :class:`Calibration` on ``samples`` (each with its program's path) and measure its
+    error: each sample's leave-one-out estimate."""
+    if len(samples) < 2:
+        raise SpecError(f"calibrate: {len(samples)} sample(s); a leave-one-out error needs at least 2")
+    chips = [chip_of(s.chip) for s, _ in samples]
+    works = [read_work(read_program(p), c.mxu) for (_, p), c in zip(samples, chips, strict=True)]
+    measured = [s.measured_seconds for s, _ in samples]
+    chosen = tuple(figures) if figures is not None else figures_for(works, chips)
+    efficiencies = fit(works, chips, measured, chosen)
+    fitted = []
+    for i, (s, _) in enumerate(samples):
+        others = [j for j in range(len(samples)) if j != i]
+        left_out = fit([works[j] for j in others], [chips[j] for j in others], [measured[j] for j in others], chosen)
+        fitted.append(Fitted(
+            label=s.label, chip=s.chip, kind=s.kind, measured_seconds=s.measured_seconds, source=s.source,
+            uncalibrated_seconds=price(works[i], chips[i]).seconds,
+            calibrated_seconds=price(works[i], chips[i], efficiencies).seconds,
+            loo_seconds=price(works[i], chips[i], left_out).seconds,
+        ))
+    return Calibration(name=name, chips=tuple(sorted({s.chip for s, _ in samples})), compiler=compiler,
+                       efficiencies=efficiencies, fitted=chosen, samples=tuple(fitted))
+
+
+def load_calibration(path: Path | str, field: str = "spec.target.calibration") -> Calibration:
+    """The calibration written at ``path``; a missing or bad file is a :class:`SpecError`
+    naming ``field``."""
+    try:
+        return Calibration.model_validate_json(Path(path).read_text())
+    except OSError as e:
+        raise SpecError(f"{field}: cannot read {path} ({e.strerror or e}); expected a file that remat-search calibrate wrote") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise SpecError(f"{field}: {path} is not a calibration ({'.'.join(str(p) for p in first['loc'])}: "
+                        f"{first['msg']}); expected a file that remat-search calibrate wrote") from None
+
+
+def with_band(estimate: StepEstimate, calibration: Calibration | None, kind: PlanKind,
+              uncalibrated: tuple[float, float] | None = None) -> StepEstimate:
+    """``estimate`` labelled with its calibration's name and the band of its kind of plan; or,
+    uncalibrated, with the band ``uncalibrated`` (None: unknown)."""
+    if calibration is None:
+        return estimate.model_copy(update={"band": uncalibrated})
+    return estimate.model_copy(update={"calibration": calibration.name, "band": calibration.band(kind)})

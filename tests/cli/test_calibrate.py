@@ -1,0 +1,150 @@
+"""``remat-search calibrate`` and a spec that names its file: the step-time model fitted to
+measured steps from a samples file or a study that ran, and a TPU study estimated with it, each
+estimate carrying the band its calibration measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import remat_search
+from remat_search.report.results import TrialResult
+from remat_search.report.text import describe_trial, rivals
+from remat_search.spec.loading import parse_spec
+from remat_search.targets.calibration import Calibration, Fitted, load_calibration
+from remat_search.targets.step_time import Efficiencies
+from tests.conftest import spec_dict, write_spec
+
+H100 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "samples.json"
+
+
+def _some_h100_samples(tmp_path: Path, labels: tuple[str, ...]) -> Path:
+    """A samples file of a few kept H100 samples, their programs named by absolute paths."""
+    kept = [dict(s, program=str(H100.parent / s["program"])) for s in json.loads(H100.read_text()) if s["label"] in labels]
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps(kept))
+    return path
+
+
+def test_calibrate_a_samples_file(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    samples = _some_h100_samples(tmp_path, ("d2048-L4-none", "d2048-L4-full", "d2048-L4-offload_qkv", "d1024-L8-full"))
+    out = tmp_path / "cal" / "h100.json"
+    result = cli("calibrate", str(samples), "--name", "h100-test", "--compiler", "jaxlib 0.x (cuda)", "-o", str(out))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    calibration = load_calibration(out)
+    assert calibration.name == "h100-test" and calibration.chips == ("h100",) and calibration.compiler == "jaxlib 0.x (cuda)"
+    assert [s.label for s in calibration.samples] == ["d1024-L8-full", "d2048-L4-none", "d2048-L4-full", "d2048-L4-offload_qkv"]
+    assert set(calibration.fitted) == {"matmul", "hbm", "launch_seconds", "host_link"}
+    for s in calibration.samples:  # every figure the table shows is the file's
+        assert s.label in result.stdout and f"{s.loo_error:+.1%}" in result.stdout
+    assert "leave-one-out error up to" in result.stdout and f"wrote {out}" in result.stdout
+
+
+def test_calibrate_a_study_that_ran_on_its_devices(cli, tmp_path: Path, storage_url: str, home: Path) -> None:  # type: ignore[no-untyped-def]
+    """A study on ``target: local`` keeps each compiled program; calibrate fits on its timed trials
+    (here CPU programs priced as an H100's: the plumbing, not a chip's figures)."""
+    report = remat_search.run(parse_spec(spec_dict(
+        storage_url, study="ran", trials=3, space={"layout": "uniform", "choices": ["none", "full", "dots"]},
+        confirm={"top": 0})))
+    timed = [t for t in report.trials if t.measurement is not None and t.measurement.time_source == "measured"]
+    assert len(timed) >= 2
+    kept = sorted(p.name for p in (home / "artifacts" / "ran" / "programs").glob("*.hlo.gz"))
+    assert {f"{t.measurement.program_digest}.hlo.gz" for t in timed} <= set(kept)
+    refused = cli("calibrate", "--study", "ran", "--storage", storage_url, "--name", "cpu")
+    assert refused.exit_code == 2 and refused.stderr.count("\n") == 1
+    assert "--chip: study 'ran' ran on cpu, which is not a chip the step-time model knows" in refused.stderr
+    result = cli("calibrate", "--study", "ran", "--storage", storage_url, "--chip", "h100", "--name", "cpu-as-h100")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    calibration = load_calibration(home / "calibrations" / "cpu-as-h100.json")
+    assert sorted(s.label for s in calibration.samples) == sorted(f"ran#{t.number}" for t in timed)
+    by = {s.label: s for s in calibration.samples}
+    for t in timed:
+        assert by[f"ran#{t.number}"].measured_seconds == t.seconds and by[f"ran#{t.number}"].kind == t.plan.kind
+    assert "jax" in calibration.compiler
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--name", "x"), "calibrate: no samples; name a SAMPLES.json file or --study"),
+    (("missing.json", "--name", "x"), "calibrate: samples file missing.json: [Errno 2]"),
+    (("--name", "bad name"), "--name: expected a name of letters, digits"),
+    (("--study", "nosuch", "--name", "x"), "storage: no database at"),
+])
+def test_bad_calibrate_input_is_one_line_and_writes_nothing(  # type: ignore[no-untyped-def]
+        cli, args: tuple[str, ...], said: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = cli("calibrate", *args, "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+    assert not (home / "calibrations").exists() and not (tmp_path / "s.db").exists()
+
+
+def _v5e_calibration(path: Path) -> Calibration:
+    """A calibration of v5e: its figures and the samples whose leave-one-out gave its bands."""
+    calibration = Calibration(
+        name="v5e-test", chips=("v5e",), compiler="libtpu (test)", fitted=("matmul", "hbm"),
+        efficiencies=Efficiencies(matmul=0.5, hbm=0.8),
+        samples=tuple(Fitted(label=f"s{i}", chip="v5e", kind=kind, measured_seconds=1.0, uncalibrated_seconds=0.7,
+                             calibrated_seconds=1.0, loo_seconds=loo)
+                      for i, (kind, loo) in enumerate([("recompute", 0.96), ("recompute", 1.02), ("keep", 0.99)])))
+    path.write_text(calibration.model_dump_json())
+    return calibration
+
+
+def test_a_tpu_spec_names_a_calibration(cli, tmp_path: Path, storage_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Each estimate is priced at the calibration's figures and carries the band of its plan's
+    kind; show says so, and best names the candidates within that band of its answer."""
+    calibration = _v5e_calibration(tmp_path / "v5e.json")
+    target = {"platform": "tpu", "topology": "v5e:2x2", "calibration": str(tmp_path / "v5e.json")}
+    plain = remat_search.run(parse_spec(spec_dict(storage_url, study="plain", trials=2, confirm={"top": 0},
+                                                  space={"layout": "uniform", "choices": ["full", "dots"]},
+                                                  target={"platform": "tpu", "topology": "v5e:2x2"})))
+    report = remat_search.run(parse_spec(spec_dict(storage_url, study="cal", trials=2, confirm={"top": 0},
+                                                   space={"layout": "uniform", "choices": ["full", "dots"]}, target=target)))
+    assert report.device["target"] == "v5e:2x2, calibration v5e-test"
+    for t, before in zip(report.trials, plain.trials, strict=True):
+        e = t.measurement.estimate
+        assert e.calibration == "v5e-test" and e.band == calibration.band("recompute") == (1 / 1.02, 1 / 0.96)
+        assert t.seconds > before.seconds  # half the peak FLOP/s, 0.8 of the HBM's
+        assert before.measurement.estimate.band == (1.058, 1.167) and before.measurement.estimate.calibration is None
+        assert "calibrated (v5e-test): measured steps of plans of this kind were 0.98–1.04×" in describe_trial(t)
+    shown = cli("show", "--study", "cal", "--storage", storage_url)
+    assert shown.exit_code == 0 and "cal. est. ×0.98-1.04" in shown.stdout
+    best = cli("best", "--study", "cal", "--storage", storage_url, "--budget", "15GiB")
+    close = rivals(min(report.trials, key=lambda t: t.seconds), report.trials)
+    assert best.exit_code == 0
+    assert ("within the estimate's error of" in best.stderr) == bool(close)
+
+
+@pytest.mark.parametrize(("calibration", "said"), [
+    ("nowhere.json", "spec.target.calibration: cannot read nowhere.json"),
+    ("h100.json", "spec.target.calibration: h100.json was fitted on h100, not v5e"),
+    ("spec.yaml", "spec.target.calibration: spec.yaml is not a calibration"),
+])
+def test_a_bad_calibration_is_one_line(  # type: ignore[no-untyped-def]
+        cli, tmp_path: Path, storage_url: str, calibration: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    h100 = _v5e_calibration(tmp_path / "v5e.json").model_copy(update={"chips": ("h100",)})
+    (tmp_path / "h100.json").write_text(h100.model_dump_json())
+    spec = spec_dict(storage_url, target={"platform": "tpu", "topology": "v5e:2x2", "calibration": calibration})
+    result = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+    assert not list(tmp_path.glob("*.db*"))
+
+
+def test_rivals_are_the_estimates_whose_bands_overlap() -> None:
+    from remat_search.measure.measurement import Measurement, MemoryBreakdown
+    from remat_search.targets.step_time import StepEstimate
+
+    def trial(number: int, seconds: float, band: tuple[float, float] | None) -> TrialResult:
+        estimate = StepEstimate(seconds=seconds, compute_seconds=seconds, collective_seconds=0, flops=0, hbm_bytes=0,
+                                collective_bytes=0, instructions=1, band=band)
+        m = Measurement(status="measured", plan_digest=str(number), time_source="estimated", estimated_seconds=seconds, estimate=estimate,
+                        memory=MemoryBreakdown(argument=0, output=0, temp=1, alias=0, generated_code=0))
+        return TrialResult(number=number, status="measured", measurement=m)
+
+    best, near, far, unknown = trial(0, 1.0, (0.9, 1.1)), trial(1, 1.15, (0.9, 1.1)), trial(2, 1.3, (0.9, 1.1)), trial(3, 1.01, None)
+    assert rivals(best, [best, near, far, unknown]) == [near]
+    assert rivals(unknown, [best, near]) == []

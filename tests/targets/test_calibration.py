@@ -1,0 +1,137 @@
+"""Calibrations of the step-time model (``targets.calibration``): figures fitted to measured
+steps, and the error measured leave-one-out. On the programs an H100 compiled and the steps it
+took (benchmarks/results: gpu_step_time.json, its programs under hlo/, samples.json), kept as a
+fixture; on measurements made from known figures; through the CLI and a TPU spec."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from remat_search.errors import SpecError
+from remat_search.targets.calibration import (
+    Calibration,
+    calibrate,
+    chip_of,
+    fit,
+    load_calibration,
+    load_samples,
+    read_program,
+)
+from remat_search.targets.chips import GPUS, PUBLISHED_BANDS
+from remat_search.targets.step_time import Efficiencies, estimate_step, price
+from remat_search.targets.work import read_work
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+H100 = RESULTS / "samples.json"
+
+
+@pytest.fixture(scope="module")
+def h100() -> Calibration:
+    """The calibration of the kept H100 measurements (two decoders × four plans)."""
+    return calibrate(load_samples(H100), name="h100-kept", compiler="jaxlib (cuda)")
+
+
+def test_figures_a_program_was_priced_at_are_recovered() -> None:
+    """Steps made by pricing real programs at known figures are fitted back to those figures."""
+    samples = load_samples(H100)
+    works = [read_work(read_program(path)) for _, path in samples]
+    chips = [GPUS["h100"]] * len(works)
+    known = Efficiencies(matmul=0.61, hbm=0.83, host_link=0.7, launch_seconds=6e-6)
+    measured = [price(w, c, known).seconds for w, c in zip(works, chips, strict=True)]
+    found = fit(works, chips, measured, ("matmul", "hbm", "host_link", "launch_seconds"))
+    for figure in ("matmul", "hbm", "host_link", "launch_seconds"):
+        assert getattr(found, figure) == pytest.approx(getattr(known, figure), rel=1e-4), figure
+
+
+def test_the_fit_changes_nothing_at_the_datasheet() -> None:
+    """Uncalibrated figures price a program as the datasheet model always did."""
+    _, path = load_samples(H100)[0]
+    text = read_program(path)
+    assert estimate_step(text, GPUS["h100"]).seconds == price(read_work(text), GPUS["h100"], Efficiencies()).seconds
+
+
+def test_kept_h100_steps_are_estimated_within_5_percent_left_out(h100: Calibration) -> None:
+    """Fitted on the others, every plan's estimate is within 5% of the step the H100 took:
+    offloading plans too (the datasheet model had them at 0.64-0.66 of the step)."""
+    assert {s.kind for s in h100.samples} == {"keep", "recompute", "offload"}
+    for s in h100.samples:
+        assert abs(s.loo_error) <= 0.05, (s.label, s.loo_seconds, s.measured_seconds)
+    assert max(h100.errors().values()) <= 0.05
+
+
+def test_calibrated_estimates_order_the_plans_as_the_h100_did(h100: Calibration) -> None:
+    """Wherever two plans' measured steps differ by more than 5%, the calibrated estimates put
+    them in the same order (left out too). Among them: offload_qkv behind none on d1024-L8,
+    which the datasheet model had ahead."""
+    pairs = [(a, b) for a in h100.samples for b in h100.samples if a.measured_seconds > 1.05 * b.measured_seconds]
+    assert pairs
+    for slower, faster in pairs:
+        assert slower.calibrated_seconds > faster.calibrated_seconds, (slower.label, faster.label)
+        assert slower.loo_seconds > faster.loo_seconds, (slower.label, faster.label)
+    by = {s.label: s for s in h100.samples}
+    assert by["d1024-L8-offload_qkv"].measured_seconds > 1.05 * by["d1024-L8-none"].measured_seconds
+
+
+def test_offload_waits_for_its_transfers_on_a_gpu() -> None:
+    """XLA:GPU runs an offload's copies on the kernels' stream: the step waits for all of the
+    link's time (the datasheet model had 70% of it hidden), so offloading qkv is estimated
+    behind keeping everything on d1024-L8, as the H100 measured."""
+    by = {s.label: path for s, path in load_samples(H100)}
+    offload = estimate_step(read_program(by["d1024-L8-offload_qkv"]), GPUS["h100"])
+    assert offload.host_bytes == 2 * 768 * 2**20  # out in the forward pass, back in the backward
+    assert offload.host_wait_seconds == pytest.approx(offload.host_seconds)
+    assert offload.seconds > estimate_step(read_program(by["d1024-L8-none"]), GPUS["h100"]).seconds
+
+
+def test_a_calibration_round_trips_and_states_its_band(h100: Calibration, tmp_path: Path) -> None:
+    path = tmp_path / "h100.json"
+    path.write_text(h100.model_dump_json())
+    loaded = load_calibration(path)
+    assert loaded == h100 and loaded.chips == ("h100",)
+    low, high = loaded.band("offload") or (0.0, 0.0)
+    offloads = [s.measured_seconds / s.loo_seconds for s in loaded.samples if s.kind == "offload"]
+    assert (low, high) == (min(offloads), max(offloads)) and low <= high
+
+
+def test_published_bands_are_the_pages(tmp_path: Path) -> None:
+    """The uncalibrated band of each TPU generation is what published_configs.md measured:
+    published step / estimate of the published configuration, lowest and highest."""
+    page = (RESULTS / "published_configs.md").read_text()
+    ratios: dict[str, list[float]] = {}
+    for generation, ratio in re.findall(r"^\| (v\d\w*)-[^|]*\|.*?\| \*\*([\d.]+)\*\* \|", page, re.M):
+        ratios.setdefault(generation, []).append(1 / float(ratio))
+    assert set(ratios) == set(PUBLISHED_BANDS)
+    for generation, (low, high) in PUBLISHED_BANDS.items():
+        assert low == pytest.approx(min(ratios[generation]), abs=0.002)
+        assert high == pytest.approx(max(ratios[generation]), abs=0.002)
+
+
+def test_bad_samples_name_the_field(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps([{"label": "x", "chip": "h100", "program": "p.hlo", "measured_seconds": -1,
+                                                  "kind": "keep"}]))
+    with pytest.raises(SpecError, match=r"^calibrate: samples file .*a.json \[0\].measured_seconds: Input should be greater than 0"):
+        load_samples(tmp_path / "a.json")
+    (tmp_path / "b.json").write_text(json.dumps([{"label": "x", "chip": "h9", "program": "p.hlo", "measured_seconds": 1,
+                                                  "kind": "keep"}]))
+    with pytest.raises(SpecError, match=r"^calibration: unknown chip 'h9'"):
+        load_samples(tmp_path / "b.json")
+    with pytest.raises(SpecError, match="unknown chip"):
+        chip_of("tpu9")
+
+
+def test_a_generation_without_published_runs_has_no_band() -> None:
+    """Uncalibrated, a v5e estimate carries its published runs' band; a v4's none: its error is
+    said to be unknown, not made up."""
+    from remat_search.report.text import band_text
+    from remat_search.targets.calibration import with_band
+    from remat_search.targets.step_time import StepEstimate
+
+    estimate = StepEstimate(seconds=1.0, compute_seconds=1.0, collective_seconds=0.0, flops=0.0, hbm_bytes=0.0,
+                            collective_bytes=0.0, instructions=1)
+    v5e, v4 = (with_band(estimate, None, "recompute", PUBLISHED_BANDS.get(g)) for g in ("v5e", "v4"))
+    assert v5e.band == PUBLISHED_BANDS["v5e"] and "published runs of this generation took 1.06–1.17×" in band_text(v5e)
+    assert v4.band is None and band_text(v4).startswith("uncalibrated, its error unknown")
