@@ -36,7 +36,7 @@ import functools
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from remat_search.errors import NoFeasiblePlan
 from remat_search.report.results import (
@@ -213,31 +213,28 @@ class StoredStudy:
 
     def trials_within(self, budget: int) -> list[TrialResult]:
         """The timed trials whose compiled peak fits ``budget`` (by indexed SQL on the peak)."""
-        rows = self._rows(
-            "SELECT t.trial_id FROM trials t "
-            "JOIN trial_values s ON s.trial_id = t.trial_id AND s.objective = 0 "
-            "JOIN trial_values p ON p.trial_id = t.trial_id AND p.objective = 1 "
-            "WHERE t.study_id = :study AND t.state = 'COMPLETE' AND s.value_type = 'FINITE' "
-            "AND p.value <= :budget ORDER BY t.trial_id",
-            budget=float(budget),
-        )
-        return [t for t in self._load([r[0] for r in rows]).values() if t.seconds is not None]
+        return [t for t in self._within(budget, "FINITE") if t.seconds is not None]
 
     def untimed_within(self, budget: int) -> list[TrialResult]:
         """:meth:`StudyReport.untimed_within`: compiled over the study's budget, within ``budget``."""
+        return [
+            t for t in self._within(budget, "INF_POS")
+            if t.status == "over_budget" and t.reused_from is None and t.measurement is not None
+            and t.measurement.compiled and t.peak_bytes is not None and t.peak_bytes <= budget
+        ]
+
+    def _within(self, budget: int, step: Literal["FINITE", "INF_POS"]) -> list[TrialResult]:
+        """The complete trials whose peak objective is within ``budget`` and whose step objective
+        is of optuna's ``value_type`` ``step`` (``FINITE``: timed; ``INF_POS``: never run)."""
         rows = self._rows(
             "SELECT t.trial_id FROM trials t "
             "JOIN trial_values s ON s.trial_id = t.trial_id AND s.objective = 0 "
             "JOIN trial_values p ON p.trial_id = t.trial_id AND p.objective = 1 "
-            "WHERE t.study_id = :study AND t.state = 'COMPLETE' AND s.value_type = 'INF_POS' "
+            f"WHERE t.study_id = :study AND t.state = 'COMPLETE' AND s.value_type = '{step}' "  # an enum in PostgreSQL
             "AND p.value <= :budget ORDER BY t.trial_id",
             budget=float(budget),  # the values are floats; an int past 2**63 is no SQLite INTEGER
         )
-        return [
-            t for t in self._load([r[0] for r in rows]).values()
-            if t.status == "over_budget" and t.reused_from is None and t.measurement is not None
-            and t.measurement.compiled and t.peak_bytes is not None and t.peak_bytes <= budget
-        ]
+        return list(self._load([r[0] for r in rows]).values())
 
     def _best(self, budget: int | None) -> TrialResult | None:
         limit = "" if budget is None else " AND p.value <= :budget"

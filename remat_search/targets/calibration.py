@@ -195,7 +195,9 @@ def figures_for(works: Sequence[Work], chips: Sequence[Chip]) -> tuple[str, ...]
 def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: str,
               figures: Sequence[str] | None = None) -> Calibration:
     """Fit a :class:`Calibration` on ``samples`` (each with its program's path) and measure its
-    error: each sample's leave-one-out estimate."""
+    error: each sample's leave-one-out estimate, fitted on the others alone, a figure none of
+    them tells (the host link, where the sample left out is the only one that offloads) left at
+    the datasheet's."""
     if len(samples) < 2:
         raise SpecError(f"calibrate: {len(samples)} sample(s); a leave-one-out error needs at least 2")
     chips = [chip_of(s.chip) for s, _ in samples]
@@ -206,7 +208,9 @@ def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: st
     fitted = []
     for i, (s, _) in enumerate(samples):
         others = [j for j in range(len(samples)) if j != i]
-        left_out = fit([works[j] for j in others], [chips[j] for j in others], [measured[j] for j in others], chosen)
+        telling = figures_for([works[j] for j in others], [chips[j] for j in others])  # the others may not tell one
+        left_out = fit([works[j] for j in others], [chips[j] for j in others], [measured[j] for j in others],
+                       tuple(f for f in chosen if f in telling))
         fitted.append(Fitted(
             label=s.label, chip=s.chip, kind=s.kind, measured_seconds=s.measured_seconds, source=s.source,
             uncalibrated_seconds=price(works[i], chips[i]).seconds,

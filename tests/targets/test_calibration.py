@@ -135,3 +135,33 @@ def test_a_generation_without_published_runs_has_no_band() -> None:
     v5e, v4 = (with_band(estimate, None, "recompute", PUBLISHED_BANDS.get(g)) for g in ("v5e", "v4"))
     assert v5e.band == PUBLISHED_BANDS["v5e"] and "published runs of this generation took 1.06–1.17×" in band_text(v5e)
     assert v4.band is None and band_text(v4).startswith("uncalibrated, its error unknown")
+
+
+@pytest.mark.parametrize("kept", ["calibrations/h200.json", "calibrations/h100-kept.json",
+                                  "published_programs/calibration.json"])
+def test_a_kept_calibration_prices_its_samples_as_it_says(kept: str) -> None:
+    """The calibrations the docs quote (benchmarks/results) hold what this code computes: each
+    sample's program priced at the kept figures is the kept calibrated step."""
+    calibration = load_calibration(RESULTS / kept)
+    folder = {"calibrations/h200.json": RESULTS / "gpu_step_time_h200", "calibrations/h100-kept.json": RESULTS,
+              "published_programs/calibration.json": RESULTS / "published_programs"}[kept]
+    programs = {s.label: path for s, path in load_samples(folder / "samples.json")}
+    for s in calibration.samples:
+        chip = chip_of(s.chip)
+        work = read_work(read_program(programs[s.label]), chip.mxu)
+        assert price(work, chip, calibration.efficiencies).seconds == pytest.approx(s.calibrated_seconds, rel=1e-9)
+        assert price(work, chip).seconds == pytest.approx(s.uncalibrated_seconds, rel=1e-9)
+    if kept.startswith("calibrations/"):  # the GPUs: every plan within 4% left out (README says so)
+        assert max(calibration.errors().values()) <= 0.04
+    else:  # MaxText's published runs: 7 of 8 within 15% left out, the 8B outside
+        assert sorted(s.label for s in calibration.samples if abs(s.loo_error) > 0.15) == ["v6e-llama3.1-8b"]
+
+
+def test_the_h200_calibration_estimates_a_shape_it_never_saw_within_its_error() -> None:
+    """d1536-L6, measured on the H200 after its calibration was fitted on d1024-L8 and d2048-L4:
+    every plan's calibrated estimate within 2.2% of its measured step."""
+    calibration = load_calibration(RESULTS / "calibrations" / "h200.json")
+    assert not any(s.label.startswith("d1536") for s in calibration.samples)
+    for s, path in load_samples(RESULTS / "gpu_step_time_h200_d1536" / "samples.json"):
+        estimate = price(read_work(read_program(path)), chip_of(s.chip), calibration.efficiencies).seconds
+        assert abs(estimate / s.measured_seconds - 1) <= 0.022, s.label
