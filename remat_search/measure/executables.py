@@ -100,8 +100,9 @@ class Executables:
                  configuration: Configuration | None = None, programs: Path | None = None) -> None:
         """``configuration``: the one the workload and mesh were built for (its plans carry
         it), where the study searches configurations; the anchor and reference run at it.
-        ``programs``: a folder where each compiled program's text is kept (:func:`keep_program`),
-        for a calibration of the step-time model to read later; None: not kept."""
+        ``programs``: a folder where each compiled program's text is kept (:func:`keep_program`)
+        where plans run and are timed, for a calibration of the step-time model to read later
+        (a compile-only target's programs are only estimated: not kept); None: not kept."""
         self.workload, self.mesh, self.capacity, self.programs = workload, mesh, capacity, programs
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
@@ -185,7 +186,7 @@ class Executables:
             return Build(None, time.perf_counter() - start, started, oom=(peak, oom.temp, oom.available))
         text, cost = compiled.as_text(), program_cost(compiled)
         digest = program_digest(text)
-        if self.programs is not None and digest is not None:
+        if self.programs is not None and digest is not None and self.target.executes:  # timed: a calibration's sample
             keep_program(self.programs, digest, text)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
