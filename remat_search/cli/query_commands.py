@@ -8,8 +8,8 @@ writes, but ``plan --measure``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from re import fullmatch as re_fullmatch
 from typing import Annotated, Any
 
 import typer
@@ -19,7 +19,7 @@ from remat_search.cli.flags import BudgetOption, PlotOption, StorageOption, Stud
 from remat_search.errors import SpecError
 from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.text import (
-    has_band,
+    band_of,
     rivals,
     rivals_note,
     answer_note,
@@ -114,7 +114,7 @@ def best(
         for_maxtext = maxtext_answer(stored, limit) if form.startswith("maxtext") else None
         found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
         untimed = stored.untimed_within(limit)
-        close = rivals(found, stored.trials_within(limit)) if has_band(found) else []
+        close = rivals(found, stored.trials_within(limit)) if band_of(found) else []
     note = answer_note(found, limit, settlement(stored.attrs), stored.name)
     if form != "table":
         assert found.plan is not None
@@ -243,7 +243,7 @@ def calibrate(
     from remat_search.targets.calibration import calibrate as fit_calibration
     from remat_search.targets.calibration import load_samples
 
-    if not name or not re_fullmatch(r"[A-Za-z0-9][\w.\-]*", name):
+    if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*", name):
         raise SpecError(f"--name: expected a name of letters, digits, '.', '-' and '_' such as h100-jax0.11, got {name!r}")
     found = [s for path in samples or [] for s in load_samples(path)]
     stated = compiler

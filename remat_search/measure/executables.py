@@ -16,9 +16,12 @@ bytes) is :mod:`remat_search.measure.program`.
 
 from __future__ import annotations
 
+import gzip
 import math
+import os
 import random
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,10 +202,6 @@ def keep_program(folder: Path, digest: str, text: str) -> None:
     """Keep a compiled program's text as ``folder/<digest>.hlo.gz`` unless it is there: written
     aside and renamed into place, so that workers keeping one at once never leave half a file.
     Best effort: a folder that cannot be written keeps nothing (the measurement stands)."""
-    import gzip
-    import os
-    import uuid
-
     path = folder / f"{digest}.hlo.gz"
     if path.exists():
         return

@@ -79,10 +79,11 @@ def band_text(e: StepEstimate) -> str:
             "estimates (remat-search calibrate fits it to your own measurements)")
 
 
-def has_band(t: TrialResult) -> bool:
-    """Its step is an estimate with a known band (only then can others be within its error)."""
+def band_of(t: TrialResult) -> tuple[float, float] | None:
+    """The band of its step where that is an estimate with a known one; else None (only then can
+    others be within its error)."""
     e = t.measurement.estimate if t.measurement is not None else None
-    return t.time_estimated and e is not None and e.band is not None
+    return e.band if t.time_estimated and e is not None else None
 
 
 def rivals(found: TrialResult, others: Iterable[TrialResult]) -> list[TrialResult]:
@@ -91,11 +92,11 @@ def rivals(found: TrialResult, others: Iterable[TrialResult]) -> list[TrialResul
     (for candidates of a configuration search, the time a token or example takes: their steps'
     batches differ). None where ``found`` is measured or its band unknown."""
     def span(t: TrialResult) -> tuple[float, float] | None:
-        e = t.measurement.estimate if t.measurement is not None else None
-        if not has_band(t) or e is None or e.band is None or t.seconds is None:
+        band = band_of(t)
+        if band is None or t.seconds is None:
             return None
         per = 1 / t.throughput if t.throughput else t.seconds
-        return per * e.band[0], per * e.band[1]
+        return per * band[0], per * band[1]
 
     mine = span(found)
     if mine is None:
@@ -106,12 +107,12 @@ def rivals(found: TrialResult, others: Iterable[TrialResult]) -> list[TrialResul
 
 def rivals_note(found: TrialResult, close: list[TrialResult], shown: int = 3) -> str | None:
     """``best``'s note where its estimated answer is within the estimate's error of others."""
-    if not close:
+    band = band_of(found)
+    if not close or band is None:
         return None
     named = ", ".join(f"trial {t.number} ({t.summary()}, {format_seconds(t.seconds or 0)})" for t in close[:shown])
     more = f" and {len(close) - shown} more" if len(close) > shown else ""
-    return (f"note: within the estimate's error of: {named}{more}; its band "
-            f"×{found.measurement.estimate.band[0]:.2f}–{found.measurement.estimate.band[1]:.2f} "  # type: ignore[union-attr]
+    return (f"note: within the estimate's error of: {named}{more}; its band ×{band[0]:.2f}–{band[1]:.2f} "
             "cannot tell which is faster: measure them on the chip")
 
 

@@ -34,7 +34,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.report.queries import StudySummary, budget_bytes, list_studies, summarize
 from remat_search.report.results import TrialResult
 from remat_search.report.stored import open_study
-from remat_search.report.text import estimate_mark, front_json, has_band, no_trial_text, rivals, untimed_text
+from remat_search.report.text import band_of, estimate_mark, front_json, no_trial_text, rivals, untimed_text
 from remat_search.service.page import render_page
 from remat_search.spec.budget import read_budget
 from remat_search.spec.fields import check_study_name
@@ -142,7 +142,7 @@ def make_app(storage: str | None, *, token: str | None) -> FastAPI:
             limit = budget_bytes(budget, stored)
             found = stored.best(limit)
             untimed = stored.untimed_within(limit)
-            close = rivals(found, stored.trials_within(limit)) if has_band(found) else []
+            close = rivals(found, stored.trials_within(limit)) if band_of(found) else []
         assert found.plan is not None
         headers = {  # what `best` without --json shows beside the plan; the body stays best --json's
             "X-Remat-Search-Trial": str(found.number),
