@@ -155,7 +155,7 @@ def fit(works: Sequence[Work], chips: Sequence[Chip], measured: Sequence[float],
         figures: Sequence[str] | None = None) -> Efficiencies:
     """The :class:`Efficiencies` under which the estimates of ``works`` on ``chips`` come closest
     to the ``measured`` seconds (least squares of log(estimated / measured)), fitting
-    ``figures`` (default: :func:`figures_for` the samples) and leaving the others at 1."""
+    ``figures`` (default: :func:`figures_for` the samples) and leaving the others at the datasheet's."""
     from scipy.optimize import least_squares
 
     chosen = tuple(figures) if figures is not None else figures_for(works, chips)
