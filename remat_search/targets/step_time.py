@@ -222,7 +222,19 @@ class _Pricing:
         total = _Cost()
         cover = link = 0.0  # the link's view of this computation's time so far, and when it is next free
         running: dict[str, float] = {}  # asynchronous host transfers: when each ends
+        launch = self.e.launch_seconds
         for op in self.work.computations.get(name, ()):
+            if op.priced and not op.host_bytes:  # most instructions: summed here, as op() and add() would
+                seconds = max(op.mxu_flops / self.flop_rate, op.hbm_bytes / self.hbm_rate) + launch
+                total.flops += op.flops
+                total.mxu_flops += op.mxu_flops
+                total.hbm_bytes += op.hbm_bytes
+                total.instructions += 1
+                total.compute_seconds += seconds
+                for channel, nbytes in op.channels:
+                    total.channels[channel] = max(total.channels.get(channel, 0.0), nbytes)
+                cover += self.overlap * seconds
+                continue
             cost = self.op(op)
             total.add(cost)
             busy = cost.compute_seconds + cost.host_wait_seconds
