@@ -197,12 +197,16 @@ class _Pricing:
     """One pricing of a program's work: each computation's cost, once."""
 
     def __init__(self, work: Work, chip: Chip, efficiencies: Efficiencies) -> None:
-        self.work, self.chip, self.e = work, chip, efficiencies
+        self.work, self.e = work, efficiencies
         self.flop_rate = chip.bf16_flops * efficiencies.matmul
         self.hbm_rate = chip.hbm_bytes_per_second * efficiencies.hbm
         self.link_rate = chip.host_bytes_per_second * efficiencies.host_link if chip.host_bytes_per_second else None
         self.overlap = chip.host_overlap if efficiencies.host_overlap is None else efficiencies.host_overlap
         self.memo: dict[str, _Cost] = {}
+
+    def seconds(self, op: Op) -> float:
+        """A priced instruction's time: the slower of its matmuls and its HBM traffic, and its launch."""
+        return max(op.mxu_flops / self.flop_rate, op.hbm_bytes / self.hbm_rate) + self.e.launch_seconds
 
     def link_seconds(self, nbytes: float) -> float:
         """``nbytes`` over the chip's host link (0 where the chip has no figure)."""
@@ -222,10 +226,9 @@ class _Pricing:
         total = _Cost()
         cover = link = 0.0  # the link's view of this computation's time so far, and when it is next free
         running: dict[str, float] = {}  # asynchronous host transfers: when each ends
-        launch = self.e.launch_seconds
         for op in self.work.computations.get(name, ()):
             if op.priced and not op.host_bytes:  # most instructions: summed here, as op() and add() would
-                seconds = max(op.mxu_flops / self.flop_rate, op.hbm_bytes / self.hbm_rate) + launch
+                seconds = self.seconds(op)
                 total.flops += op.flops
                 total.mxu_flops += op.mxu_flops
                 total.hbm_bytes += op.hbm_bytes
@@ -273,6 +276,5 @@ class _Pricing:
             return _Cost(instructions=1, channels=dict(op.channels))
         if not op.priced:
             return _Cost()
-        seconds = max(op.mxu_flops / self.flop_rate, op.hbm_bytes / self.hbm_rate) + self.e.launch_seconds
         return _Cost(flops=op.flops, mxu_flops=op.mxu_flops, hbm_bytes=op.hbm_bytes, instructions=1,
-                     compute_seconds=seconds, channels=dict(op.channels))
+                     compute_seconds=self.seconds(op), channels=dict(op.channels))
