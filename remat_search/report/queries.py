@@ -23,7 +23,7 @@ from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.stored import StoredStudy, open_studies, open_study
 from remat_search.spec.budget import DEVICE, Share, read_budget
 from remat_search.targets.calibration import Sample
-from remat_search.targets.chips import chip_key
+from remat_search.targets.chips import CHIPS, GPUS, chip_key
 
 if TYPE_CHECKING:
     from remat_search.workloads.base import Workload
@@ -201,6 +201,9 @@ def study_samples(study: str, storage: str | None = None, *, chip: str | None = 
     from remat_search.measure.artifacts import ARTIFACTS, PROGRAMS
     from remat_search.store.location import storage_home
 
+    known = sorted({*CHIPS, *GPUS})
+    if chip is not None and chip not in known:
+        raise SpecError(f"--chip: expected one of {', '.join(known)}, got {chip!r}")
     with open_study(study, storage) as stored:
         trials, device = stored.trials(), stored.device
     key = chip or chip_key(str(device.get("device_kind", "")))

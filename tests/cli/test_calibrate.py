@@ -55,6 +55,10 @@ def test_calibrate_a_study_that_ran_on_its_devices(cli, tmp_path: Path, storage_
     refused = cli("calibrate", "--study", "ran", "--storage", storage_url, "--name", "cpu")
     assert refused.exit_code == 2 and refused.stderr.count("\n") == 1
     assert "--chip: study 'ran' ran on cpu, which is not a chip the step-time model knows" in refused.stderr
+    unknown = cli("calibrate", "--study", "ran", "--storage", storage_url, "--chip", "h9", "--name", "cpu")
+    assert unknown.exit_code == 2 and unknown.stderr.count("\n") == 1
+    assert "--chip: expected one of h100, h200, v4, v5e, v5p, v6e, got 'h9'" in unknown.stderr
+    assert not (home / "calibrations").exists()
     result = cli("calibrate", "--study", "ran", "--storage", storage_url, "--chip", "h100", "--name", "cpu-as-h100")
     assert result.exit_code == 0, result.stdout + result.stderr
     calibration = load_calibration(home / "calibrations" / "cpu-as-h100.json")
