@@ -38,3 +38,14 @@ class NoFeasiblePlan(RematSearchError):
 class RunError(RematSearchError):
     """Something failed at run time, not in the input: a worker that died while re-timing, a
     confirmation that could not finish (exit code 3). What was measured before it is kept."""
+
+
+SLICE_RESTART_EXIT = 42
+"""The exit code of a slice's processes when one of them died or hangs: JobSet and XPK
+restart a job on it (and on 127-255), never on an ordinary failure (exit code 1)."""
+
+
+class SliceLost(RematSearchError):
+    """A process of the slice died, hung or left (exit code :data:`SLICE_RESTART_EXIT`): the
+    others stop, the trial it cut is failed and queued again, and the launcher's restart of the
+    whole job resumes the study."""

@@ -27,7 +27,9 @@ from remat_search.cli import output, query_commands, search_commands, storage_co
 from remat_search.errors import (
     NoFeasiblePlan,
     RematSearchError,
+    SLICE_RESTART_EXIT,
     RunError,
+    SliceLost,
     SpecError,
     StorageError,
     WorkloadError,
@@ -39,6 +41,7 @@ EXIT_CODES: dict[type[Exception], int] = {
     WorkloadError: 2,
     NoFeasiblePlan: 1,
     RunError: 3,
+    SliceLost: SLICE_RESTART_EXIT,
 }
 RUNTIME_FAILURE = 3
 """The exit code of a failure at run time: a :class:`RunError`, or any unexpected exception."""

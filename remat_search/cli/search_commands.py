@@ -34,6 +34,19 @@ def run(
              "per two cores, as host memory allows. Compiles run in parallel; plans run on a local device "
              "one at a time.",
     )] = None,
+    coordinator: Annotated[str | None, typer.Option(
+        metavar="HOST:PORT", show_default=False, rich_help_panel="Slice (several hosts as one search)",
+        help="Process 0's address on a slice (default: $JAX_COORDINATOR_ADDRESS; a Cloud TPU VM finds it "
+             "itself). Its JAX job uses PORT, the searches PORT+1.",
+    )] = None,
+    processes: Annotated[int | None, typer.Option(
+        metavar="N", show_default=False, rich_help_panel="Slice (several hosts as one search)",
+        help="Processes of the slice, one a host (default: $REMAT_SEARCH_PROCESSES).",
+    )] = None,
+    process_id: Annotated[int | None, typer.Option(
+        metavar="I", show_default=False, rich_help_panel="Slice (several hosts as one search)",
+        help="This process's index, 0 to N-1; 0 holds the study (default: $REMAT_SEARCH_PROCESS_ID).",
+    )] = None,
 ) -> None:
     """Search the spec's space; running it again resumes an interrupted study.
 
@@ -48,16 +61,33 @@ def run(
     Several hosts share a study by running the same command against one PostgreSQL URL
     (--storage): each measures plans the others are not measuring, and a trial whose host
     died is taken back after the heartbeat's grace period.
+
+    On a slice (several hosts as one program: a TPU pod slice, GPU nodes) start the same
+    command on every host, with --coordinator, --processes and --process-id or the variables a
+    launcher sets: every candidate is compiled and timed by all of them together; process 0
+    holds the study. If a host dies the others exit 42, the code launchers restart a job on,
+    and the restarted job resumes the study (docs/slice.md).
     """
+    from remat_search.measure.slice import member_of
     from remat_search.report.results import rank
     from remat_search.spec.loading import load_spec
 
+    member = member_of(coordinator, processes, process_id)
     loaded = load_spec(spec, storage=storage, workers=flags.workers(workers))
     _importable_from(spec)
+    if member is not None and not member.leader:
+        from remat_search.search.slice import check_slice, follow
+
+        check_slice(loaded, member)
+        output.note(f"process {member.process_id} of {member.processes}: following the leader at "
+                    f"{member.channel[0]}:{member.channel[1]}")
+        follow(loaded, member)
+        output.note(f"process {member.process_id}: the leader ended the search")
+        return
     if isinstance(loaded.budget, int):  # a share (70%) is said once the search has compiled no remat
         output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:
-        report = _search(loaded)
+        report = _search(loaded, member)
     except KeyboardInterrupt:
         again = ["remat-search", "run", str(spec)]
         if storage and storage != os.environ.get(STORAGE_ENV):
@@ -89,7 +119,7 @@ def _importable_from(spec: Path) -> None:
             sys.path.insert(0, folder)
 
 
-def _search(loaded: Any) -> Any:
+def _search(loaded: Any, member: Any = None) -> Any:
     """Run the search of ``loaded``, telling its progress: in a terminal a bar that shows the
     trial being measured; elsewhere (CI, nohup, a pipe) a line a trial. Return its report."""
     from remat_search.search.loop import run as run_search
@@ -105,7 +135,7 @@ def _search(loaded: Any) -> Any:
 
     if not output.console.is_terminal:
         with output.library_notes():
-            return run_search(loaded, on_progress=lambda p: output.print_lines(*lines(p)))
+            return run_search(loaded, on_progress=lambda p: output.print_lines(*lines(p)), member=member)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with output.library_notes(), Progress(
@@ -132,7 +162,7 @@ def _search(loaded: Any) -> Any:
             elif p.event == "confirmed":
                 bar.update(task, description=f"confirmed {p.plans} plans")
 
-        return run_search(loaded, on_progress=on_progress)
+        return run_search(loaded, on_progress=on_progress, member=member)
 
 
 def submit(spec: SpecArgument, storage: RunStorageOption = None) -> None:

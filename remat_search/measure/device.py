@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from remat_search.measure.executables import INPUT_SEED, anchor_plan
 from remat_search.measure.measurement import MEASUREMENT_SCHEMA
+from remat_search.measure.slice import compile_flags
 from remat_search.targets.base import Target
 from remat_search.targets.mesh import device_order
 from remat_search.targets.platform import compiler_options, compiler_package_names
@@ -30,6 +31,8 @@ class DeviceInfo(BaseModel):
     platform: str
     device_kind: str
     device_count: int
+    processes: int = 1
+    """The processes (hosts) of the slice the devices are on (``jax.process_count()``): 1 on one host."""
     mesh: dict[str, int] | None
     device_order: list[int] | None = None
     """The devices' ids in the mesh's row-major order where it is not their own (ascending):
@@ -107,7 +110,7 @@ def describe(target: Target, mesh: Any, workload: Any, traced: Any) -> DeviceInf
 
     return DeviceInfo(
         target=target.name, platform=target.platform, device_kind=target.devices()[0].device_kind,
-        device_count=mesh.size if mesh is not None else 1,
+        device_count=mesh.size if mesh is not None else 1, processes=jax.process_count(),
         mesh=dict(mesh.shape) if mesh is not None else None,
         device_order=device_order(mesh),
         memory_limit=target.memory_limit(mesh), executes=target.executes, jax_version=jax.__version__,
@@ -119,7 +122,7 @@ def describe(target: Target, mesh: Any, workload: Any, traced: Any) -> DeviceInf
         workload_note=workload.note(),
         compiler_options=json.dumps({
             "options": compiler_options(target.platform),
-            **{flag: os.environ.get(flag, "") for flag in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+            "XLA_FLAGS": compile_flags(os.environ.get("XLA_FLAGS", "")), "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
         }, sort_keys=True),
         compiler_version=target.compiler_version(),
         compiler_packages=compiler_packages(target.platform),

@@ -33,6 +33,7 @@ import numpy as np
 from remat_search.measure.artifacts import ReferenceStore
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
 from remat_search.measure.program import io_bytes, program_cost, program_digest
+from remat_search.measure.slice import Agreement
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.models import TimingConfig
@@ -94,19 +95,25 @@ class Executables:
     a timeout) starts empty.
     """
 
+    peaks: list[int] = []
+    """On a slice, every process's peak of the plan last built (:func:`_agreed_build`)."""
     reference_from: str | None = None
     """Where the reference came from: ``computed`` (full remat's first step ran here) or
     ``loaded`` (from the ``reference_store``); None before it was needed."""
 
     def __init__(self, workload: Any, *, target: Target | None = None, mesh: Any = None,
                  capacity: int = KEPT_EXECUTABLES, reference_store: ReferenceStore | None = None,
-                 configuration: Configuration | None = None, programs: Path | None = None) -> None:
+                 configuration: Configuration | None = None, programs: Path | None = None,
+                 agree: Agreement | None = None) -> None:
         """``configuration``: the one the workload and mesh were built for (its plans carry
         it), where the study searches configurations; the anchor and reference run at it.
         ``programs``: a folder where each compiled program's text is kept (:func:`keep_program`)
         where plans run and are timed, for a calibration of the step-time model to read later
-        (a compile-only target's programs are only estimated: not kept); None: not kept."""
+        (a compile-only target's programs are only estimated: not kept); None: not kept.
+        ``agree``: on a slice, how the processes agree on each compile before any runs
+        (:class:`~remat_search.measure.slice.Agreement`); None on one host."""
         self.workload, self.mesh, self.capacity, self.programs = workload, mesh, capacity, programs
+        self.agree = agree
         workload.use_mesh(mesh)  # first: nothing of the workload is traced before it has the target's mesh
         self.target = target or LocalTarget()
         self.anchor_plan = anchor_plan(workload.layers).model_copy(update={"configuration": configuration})
@@ -143,10 +150,13 @@ class Executables:
         if self._reference is None:
             self._reference = self._saved_reference()
             self.reference_from = "loaded"
+            if self.agree is not None and not all(s["loaded"] for s in self.agree({"loaded": self._reference is not None})):
+                self._reference = None  # on a slice loaded by all or by none: the others run it in step
         if self._reference is None:  # none saved: full remat's first step runs here
             _, self._reference = first_step(anchor.executable, self.inputs())
             self.reference_from = "computed"
-            if self.reference_store is not None:
+            # Saved from one host alone (a slice's processes would each need to take part in the save).
+            if self.reference_store is not None and self.agree is None:
                 import jax
 
                 self.reference_store.save(jax.tree.leaves(self._reference.change), self._reference.loss)
@@ -171,7 +181,7 @@ class Executables:
 
         with self.workload.tracing():
             inputs = self.workload.inputs(INPUT_SEED)
-            return inputs if self.mesh is None else jax.device_put(inputs, self.workload.input_shardings(self.mesh))
+            return inputs if self.mesh is None else placed(inputs, self.workload.input_shardings(self.mesh))
 
     def _compile(self, plan: RematPlan) -> Build:
         workload, mesh = self.workload, self.mesh
@@ -196,6 +206,44 @@ class Executables:
             memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
             program=digest, estimate=None if self.target.executes else self.target.estimate(text, cost, plan.kind),
         )
+
+
+def placed(tree: Any, shardings: Any) -> Any:
+    """``tree`` over ``shardings``. On a slice each process places its own devices' shards,
+    cut from the same values (every process made them from the same seed): ``device_put``
+    cannot reach another host's devices."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    host = jax.device_get(tree)
+    return jax.tree.map(
+        lambda x, sharding: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]),
+        host, shardings,
+    )
+
+
+def on_host(tree: Any) -> Any:
+    """``tree``'s values on this host, in full: on a slice gathered from every process (a
+    collective: every process asks at once)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def in_step(label: str) -> None:
+    """On a slice, wait until every process is here (a barrier over the devices): each
+    process's timed steps then start together. Nothing on one host."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(label)
 
 
 def keep_program(folder: Path, digest: str, text: str) -> None:
@@ -247,7 +295,7 @@ def _observe(
     known: Known | None = None,
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
-    build = executables.build(plan)
+    build = _agreed_build(executables, plan)
     compiled_at = (build.started, build.started + build.seconds)
     if build.oom is not None:
         required, temp, available = build.oom
@@ -266,7 +314,7 @@ def _observe(
             time_source="estimated", estimated_seconds=build.estimate.seconds if build.estimate else None,
             estimate=build.estimate, **seen,
         )
-    if build.memory.peak > budget:
+    if _slice_peak(executables, build) > budget:
         return RawMeasurement(**seen)
     found = known(build.program) if known is not None and build.program else None
     if found is not None and found.memory == build.memory and found.program_digest == build.program:
@@ -276,6 +324,29 @@ def _observe(
         started = time.time()
         raw = _run(executables, build, plan, budget=budget, timing=timing, tolerance=gradient_tolerance, seen=seen)
         return raw.model_copy(update={"ran_at": (started, time.time())})
+
+
+def _agreed_build(executables: Executables, plan: RematPlan) -> Build:
+    """``executables.build(plan)``; on a slice, then agreed by every process (see
+    :class:`~remat_search.measure.slice.Agreement`): one that raised, or compiled another plan,
+    fails it on all before any runs. Each process's peak is kept for :func:`_slice_peak`."""
+    if executables.agree is None:
+        return executables.build(plan)
+    try:
+        build = executables.build(plan)
+    except Exception as e:
+        executables.agree({"plan": plan.digest, "failed": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+        raise
+    peak = build.memory.peak if build.memory is not None else (build.oom[0] if build.oom else 0)
+    executables.peaks = [said["peak"] for said in executables.agree.check({"plan": plan.digest, "peak": peak})]
+    return build
+
+
+def _slice_peak(executables: Executables, build: Build) -> int:
+    """The peak a plan is judged by: on a slice the largest of every process's, so that every
+    process decides alike whether it runs."""
+    assert build.memory is not None
+    return max(build.memory.peak, *executables.peaks) if executables.agree is not None else build.memory.peak
 
 
 def _run(
@@ -296,6 +367,7 @@ def _run(
         abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
         seen.update(
             grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full", first_loss=first.loss,
+            reference_from=executables.reference_from,
         )
         if not (rel_error <= tolerance and math.isfinite(first.loss)):
             return RawMeasurement(**seen)  # failed: not timed
@@ -303,6 +375,7 @@ def _run(
 
     anchor = executables.anchor(budget) if timing.anchor else None
     steps = [build.executable] if anchor is None else [anchor.executable, build.executable]  # the plan's last
+    in_step(f"time {plan.digest}")
     (*anchor_times, times), loss = _time_steps(steps, inputs, warmup=warmup, rounds=timing.repeats)
     return RawMeasurement(
         time_source="measured", step_times=times, anchor_times=anchor_times[0] if anchor_times else (),
@@ -341,6 +414,7 @@ def retime(
         if budget is not None and build.memory is not None and build.memory.peak > budget:
             raise ValueError(f"plan {plan.summary()} does not fit {format_bytes(budget)}: it is not run")
     with executables.target.device_lock():
+        in_step("retime")
         times, _ = _time_steps(
             [b.executable for b in builds], executables.inputs(), warmup=warmup, rounds=rounds, order=random.Random(seed)
         )
@@ -359,15 +433,14 @@ def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any
     still on the devices, and what the step did (on the host)."""
     import jax
 
-    def on_host(tree: Any) -> Any:  # a PRNG key (MaxText's state holds some) as its raw bits
-        bits = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
-        return jax.device_get(bits)
+    def bits(tree: Any) -> Any:  # a PRNG key (MaxText's state holds some) as its raw bits, on the host
+        return on_host(jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree))
 
     state, batch = inputs
-    before = on_host(state)
+    before = bits(state)
     state, loss = executable(state, batch)
-    change = jax.tree.map(_change, on_host(state), before)
-    return (state, batch), FirstStep(change=change, loss=float(loss))
+    change = jax.tree.map(_change, bits(state), before)
+    return (state, batch), FirstStep(change=change, loss=float(on_host(loss)))
 
 
 def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
@@ -398,7 +471,7 @@ def _time_steps(
             jax.block_until_ready((state, loss))
             if i >= warmup:
                 times[j].append(time.perf_counter() - t0)
-    return [tuple(t) for t in times], float(loss)
+    return [tuple(t) for t in times], float(on_host(loss))
 
 
 def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:

@@ -188,12 +188,19 @@ class RawMeasurement(BaseModel):
     grad_reference: Literal["none", "full"] | None = None
     """The plan whose first step this plan's was checked against: ``full`` (full remat). In
     measurements of schema 1 (see :data:`MEASUREMENT_SCHEMA`), ``none``: gradients of no remat."""
+    reference_from: Literal["computed", "loaded"] | None = None
+    """Where the reference's first step came from: run by this worker (``computed``), or
+    ``loaded`` from the study's artifacts, saved by an earlier worker of the same devices and
+    mesh on one host (a slice loads it only where every process finds it, and saves none)."""
     grad_skipped: str | None = None
     """Why a plan that ran was not checked: the reference does not fit the budget it ran
     under, and nothing over the budget is run."""
     program_digest: str | None = None
     """The compiled program's digest (``executables.program_digest``): plans that compile to
     the same program share it (None in measurements made before it was kept)."""
+    slice_peaks: tuple[int, ...] = ()
+    """On a slice, each process's peak, in process order (the plan's peak is the largest);
+    empty on one host."""
     same_program_as: str | None = None
     """The digest of the plan that ran for this measurement, where this plan compiled to the
     same program (:attr:`program_digest`) and was not run itself: its check and times are that

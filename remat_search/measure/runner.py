@@ -46,7 +46,8 @@ from remat_search.measure.executables import Known
 from remat_search.measure.measurement import Measurement
 from remat_search.measure.worker import DEBUG_ENV, serve
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import TargetConfig, TimingConfig
+from remat_search.measure.slice import SliceMember
+from remat_search.spec.models import SliceConfig, TargetConfig, TimingConfig
 from remat_search.spec.workloads import WorkloadConfig
 from remat_search.units import format_bytes
 
@@ -74,9 +75,13 @@ class Runner:
         mesh: dict[str, int] | None = None,
         compilation_cache: str | None = None,
         artifacts: str | None = None,
+        member: tuple[SliceMember, SliceConfig] | None = None,
     ) -> None:
         """``artifacts``: the study's artifacts folder, where the worker keeps the reference
-        first step it checks plans against (see ``artifacts.py``); None: kept in memory only."""
+        first step it checks plans against (see ``artifacts.py``); None: kept in memory only.
+        ``member``: on a slice, this process's place in it and the slice's timeouts: each worker
+        joins the slice's JAX job (see :func:`worker.serve`)."""
+        self._member = member
         self._workload = workload
         self._artifacts = artifacts
         self._where = (target, mesh)
@@ -186,7 +191,7 @@ class Runner:
         process = context.Process(
             target=serve,
             args=(child_conn, self._workload, self._where, self._compilation_cache, os.getpid(), dict(os.environ),
-                  self._artifacts),
+                  self._artifacts, self._member),
             name="remat-search-worker", daemon=True,
         )
         process.start()  # may raise (e.g. a script without `if __name__ == "__main__":`); close() then has nothing to join

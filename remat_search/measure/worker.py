@@ -26,9 +26,10 @@ from remat_search.measure.artifacts import PROGRAMS, ReferenceStore, reference_k
 from remat_search.measure.device import describe, reference_parts
 from remat_search.measure.executables import Executables, Known, measure, retime
 from remat_search.measure.measurement import Measurement, RawMeasurement
+from remat_search.measure.slice import Agreement, SliceDisagreement, SliceMember, join
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.models import TargetConfig
+from remat_search.spec.models import SliceConfig, TargetConfig
 from remat_search.spec.workloads import WorkloadConfig
 from remat_search.targets.base import Target, target_of
 
@@ -47,11 +48,14 @@ def serve(
     parent_pid: int,
     environment: dict[str, str],
     artifacts: str | None = None,
+    member: tuple[SliceMember, SliceConfig] | None = None,
 ) -> None:
     """The worker's loop: build the workload once, then measure plan after plan.
 
     ``environment``: the search's, as it was when it started this worker (a forked worker has
-    its forkserver's, from when that started)."""
+    its forkserver's, from when that started). ``member``: on a slice, this process's place and
+    the slice's timeouts: the worker joins the slice's ``jax.distributed`` job first, and agrees
+    with the other processes' workers on every compile (:mod:`remat_search.measure.slice`)."""
     os.environ.clear()
     os.environ.update(environment)
     threading.Thread(target=_exit_with_parent, args=(psutil.Process(parent_pid),), daemon=True).start()
@@ -71,6 +75,8 @@ def serve(
             jax.config.update("jax_platforms", "cpu")  # not libtpu's probe: it prints TPU warnings, finds none
         # JAX's persistent cache: a plan compiled before loads in a moment. Not for a TPU topology:
         # libtpu writes its entries there but cannot read them back without a TPU client.
+        if member is not None:
+            join(*member)
         if compilation_cache and target_config == "local":
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -94,10 +100,12 @@ def serve(
         conn.send(protocol.StartFailed("other", _failure(e, line=False)))
         return
     conn.send(protocol.Ready(info.model_dump_json()))
-    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
+    # On a slice every process computes the reference in step with the others (none loads it alone).
+    store = None if artifacts is None or member is not None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
     programs = None if artifacts is None else Path(artifacts) / PROGRAMS  # for a calibration (calibrate --study)
-    base = Executables(workload, target=target, mesh=mesh, reference_store=store, programs=programs)
+    agree = None if member is None else Agreement(member[1].collective_timeout)
+    base = Executables(workload, target=target, mesh=mesh, reference_store=store, programs=programs, agree=agree)
     executables = _Configured(base, workload_config, target)
     while True:
         try:
@@ -120,6 +128,8 @@ def serve(
             except CandidateRefused as e:  # an infeasible candidate, never compiled: the reason is its record
                 m = Measurement(status="infeasible", plan_digest=plan.digest, error=str(e))
             conn.send(protocol.Done(m.model_dump_json()))
+        except SliceDisagreement as e:  # another process's failure, told with its process and host
+            conn.send(protocol.Failed(str(e)))
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the worker
             conn.send(protocol.Failed(_failure(e)))
 
@@ -144,7 +154,7 @@ class _Configured:
             workload.use_mesh(mesh)
             check_params_from(workload)
             self._built[configuration] = Executables(workload, target=self._target, mesh=mesh, configuration=configuration,
-                                                     programs=self._base.programs)
+                                                     programs=self._base.programs, agree=self._base.agree)
         return self._built[configuration]
 
     def retime(self, plans: list[RematPlan], **how: Any) -> list[tuple[float, ...]]:

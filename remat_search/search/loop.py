@@ -23,6 +23,8 @@ from remat_search.search.cost_model import keep_cost_model
 from remat_search.search.opening import checked, opened
 from remat_search.search.progress import Progress, ProgressCallback
 from remat_search.search.runners import resolve_workers, runner_for
+from remat_search.search.slice import check_slice, lead
+from remat_search.measure.slice import SliceMember
 from remat_search.search.state import SearchState
 from remat_search.search.study import spec_of_study
 from remat_search.search.workers import work
@@ -30,7 +32,7 @@ from remat_search.spec.models import SearchSpec
 from remat_search.store.liveness import enqueue, finished_trials
 
 
-def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> StudyReport:
+def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None, member: SliceMember | None = None) -> StudyReport:
     """Search ``spec`` until its study holds ``spec.trials`` finished trials; return the report.
 
     ``spec.workers`` worker processes measure plans at once, each driven by a thread of this
@@ -38,11 +40,19 @@ def run(spec: SearchSpec, *, on_progress: ProgressCallback | None = None) -> Stu
     :class:`~remat_search.search.progress.Progress` when the study is open (``start``), before
     and after every trial (``trial``, ``result``) and around the confirmation (``confirm``,
     ``confirmed``), from the workers' threads.
+
+    ``member``: this process's place in a slice, where it leads one (process 0; see
+    :mod:`search.slice`): one runner, whose every request the slice's processes measure together.
     """
     tell = on_progress or (lambda _: None)
     spec, space = checked(spec)  # before any work: no worker started, nothing compiled or written
+    if member is not None:
+        check_slice(spec, member)
     with contextlib.ExitStack() as stack:
-        runners = [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
+        runners = (
+            [stack.enter_context(lead(spec, member))] if member is not None
+            else [stack.enter_context(runner_for(spec)) for _ in range(resolve_workers(spec.workers))]
+        )
         device = runners[0].describe()  # the others start in their threads
         study, storage, budget, space = opened(spec, space, device, runners[0])
         tell(Progress(event="start", done=finished_trials(study), total=spec.trials, device=device, budget=budget))

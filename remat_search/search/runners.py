@@ -15,6 +15,7 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.measure.artifacts import ARTIFACTS
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
+from remat_search.measure.slice import SliceMember
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
@@ -27,14 +28,16 @@ CORES_PER_WORKER = 2
 """Cores ``workers: auto`` allows each worker: one v5e compile of the write-up model kept 1.7 busy."""
 
 
-def runner_for(spec: SearchSpec) -> Runner:
-    """The worker that measures ``spec``'s plans where and as the spec says."""
+def runner_for(spec: SearchSpec, member: SliceMember | None = None) -> Runner:
+    """The worker that measures ``spec``'s plans where and as the spec says; on a slice, this
+    host's part of it (``member``: this process's place)."""
     return Runner(
         spec.workload, timeout=spec.timing.timeout, memory_limit=spec.worker_memory, target=spec.target,
         mesh=spec.mesh,
         # JAX makes the directory on its first write: nothing is written for a bad spec.
         compilation_cache=str(storage_home() / spec.compilation_cache) if spec.compilation_cache else None,
         artifacts=str(storage_home() / ARTIFACTS / spec.study),  # made when a reference is first saved
+        member=None if member is None else (member, spec.slice),
     )
 
 

@@ -298,6 +298,22 @@ class HeartbeatConfig(Frozen):
         return self
 
 
+class SliceConfig(Frozen):
+    """How the processes of a multi-host slice (one ``remat-search run`` a host, joined by
+    ``jax.distributed``) find that one of them died or hangs, and stop: within these bounds the
+    others exit with :data:`~remat_search.errors.SLICE_RESTART_EXIT`, the code launchers restart
+    a job on (``docs/slice.md``). Unused on one host."""
+
+    heartbeat_timeout: Seconds = 100.0
+    """A process not heard from for this long is dead: JAX's distributed heartbeat between the
+    hosts' workers and remat-search's own between the hosts' searches."""
+    collective_timeout: Seconds = 300.0
+    """How long a process waits for the others at a step they must take together (the
+    processes' agreement on a candidate's compile; a collective, on CPU); past it the trial fails."""
+    join_timeout: Seconds = 300.0
+    """How long the processes wait for each other to start (the launcher starts them at once)."""
+
+
 Workers = PositiveInt | Literal["auto"]
 
 
@@ -349,6 +365,7 @@ class SearchSpec(Frozen):
     two cores, as host memory allows (see ``search.resolve_workers``). Compiles run in
     parallel; on a local accelerator plans run and are timed one at a time."""
     heartbeat: HeartbeatConfig = HeartbeatConfig()
+    slice: SliceConfig = SliceConfig()
     compilation_cache: str | None = "jax-cache"
     """Directory of JAX's persistent compilation cache for the worker, relative to
     :func:`storage_home` unless absolute (null: none): a plan compiled before, in any study,

@@ -89,6 +89,7 @@ def cache_key(device: DeviceInfo, plan_digest: str) -> dict[str, str]:
     layout = _layout_digest(device)
     backend = json.dumps({
         "target": device.target, "platform": device.platform, "mesh": device.mesh,
+        **({"processes": device.processes} if device.processes > 1 else {}),
         **({"shardings": device.sharding_digest} if device.sharding_digest else {}),
         **({"layout": layout} if layout else {}),
     }, sort_keys=True)
