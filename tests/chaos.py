@@ -199,3 +199,112 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
         "orphans": _orphans(processes_seen),
         "hosts": sorted({t.user_attrs.get("host") for t in trials_now if t.user_attrs.get("host")}),
     }
+
+
+def slice_processes(
+    specs: list[Path], *, port: int, devices: int, env: dict[str, str] | None = None, quiet: bool = False,
+) -> list[subprocess.Popen[str]]:
+    """One ``remat-search run`` a process of a slice on this host, as a launcher starts them
+    (``specs[i]`` for process i), each with ``devices`` CPU devices of its own, joined at
+    127.0.0.1:``port``."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return [
+        run_process(
+            "run", str(spec), "--coordinator", f"127.0.0.1:{port}", "--processes", str(len(specs)),
+            "--process-id", str(i), env={"XLA_FLAGS": flags, **(env or {})},
+            **({"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if quiet else {}),
+        )
+        for i, spec in enumerate(specs)
+    ]
+
+
+def slice_port() -> int:
+    """A free port whose next is free too: a slice's JAX job takes one, its searches the next."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+SLICE_EXIT_SECONDS = 120.0
+"""How long the other processes of a slice may take to stop once one of them was killed: the
+slice's heartbeat timeout in the chaos spec is 5 s; this bounds a loaded host too."""
+
+
+def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, seed: int = 0) -> dict[str, Any]:
+    """One study of ``trials`` trials searched by a slice of ``processes`` processes (2 CPU
+    devices each, one mesh over all), started as a launcher would: whenever a process ends
+    other than with exit 0, the others are waited for (they must stop by themselves within
+    :data:`SLICE_EXIT_SECONDS`) and the whole slice is started again. A random process is
+    killed (SIGKILL) at a random moment ``kills`` times; then the slice runs to the end.
+
+    Returns ``kills``, ``runs`` (slice starts), ``exits`` (the codes of the processes that
+    were not killed, at each kill), ``stragglers`` (processes that had to be killed because
+    they did not stop by themselves), ``finished``, ``running``, ``lost`` (complete trials
+    missing or changed since any kill), ``orphans`` (workers alive after their search died),
+    ``final`` (the exit codes of the last start) and ``seconds``."""
+    rng = random.Random(seed)
+    storage = f"sqlite:///{folder / 'slice.db'}"
+    spec = write_spec(folder / "slice.yaml", spec_dict(
+        storage, study="chaos", workload=WORKLOAD, space=SPACE, trials=trials, mesh={"data": 2 * processes},
+        sampler={"kind": "random", "seed": seed}, confirm={"top": 0},
+        timing={"warmup": 1, "repeats": 2, "timeout": "60s"}, heartbeat={"interval": 1, "grace": 5},
+        slice={"heartbeat_timeout": "5s", "collective_timeout": "20s", "join_timeout": "120s"},
+    ))
+    port = slice_port()
+    started = time.monotonic()
+    seen: dict[int, tuple[Any, ...]] = {}
+    exits: list[int | None] = []
+    workers_seen: set[int] = set()
+    killed = runs = stragglers = 0
+    final: list[int | None] = []
+    while True:
+        procs = slice_processes([spec] * processes, port=port, devices=2, quiet=True)
+        runs += 1
+        deadline = time.monotonic() + rng.uniform(2.0, 12.0)
+        last_run = killed >= kills
+        while (last_run or time.monotonic() < deadline) and all(p.poll() is None for p in procs) \
+                and (last_run or _finished(folder / "slice.db") < trials - 1):
+            for p in procs:
+                workers_seen.update(c.pid for c in _children(p.pid))
+            time.sleep(0.05)
+        if not last_run and all(p.poll() is None for p in procs):
+            victim = rng.choice(procs)
+            victim.kill()
+            killed += 1
+        end = time.monotonic() + SLICE_EXIT_SECONDS
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                stragglers += 1
+                p.kill()
+            p.wait()
+        codes = [p.returncode for p in procs]
+        exits.extend(c for c in codes if c != -signal.SIGKILL)
+        seen.update(_complete(storage))
+        if all(c == 0 for c in codes):
+            final = codes
+            break
+        if runs > 3 * kills + 10:
+            final = codes
+            break
+    trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
+    now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
+    return {
+        "kills": killed, "runs": runs, "exits": exits, "stragglers": stragglers, "final": final,
+        "seconds": time.monotonic() - started,
+        "finished": sum(counts(t) for t in trials_now),
+        "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
+        "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
+        "orphans": _orphans(workers_seen),
+        "trials": trials_now,
+    }

@@ -354,3 +354,27 @@ def refusing(batch: int, refused: int = 4) -> MlpWorkload:
     if batch == refused:
         raise CandidateRefused(f"this model cannot run a batch of {refused}")
     return MlpWorkload(TINY_MLP.model_copy(update={"batch": batch}))
+
+
+class RaisingOnOneProcessMlp(MlpWorkload):
+    """An MLP whose plans with a ``dots`` layer raise while traced on one process of a slice
+    (``process``), and compile on the others: a candidate only one host fails to compile."""
+
+    def __init__(self, process: int) -> None:
+        super().__init__(MlpConfig(kind="mlp", layers=2, width=32, hidden=128, batch=16))
+        self.process = process
+
+    def loss(self, plan: RematPlan) -> Callable:
+        inner = super().loss(plan)
+        broken = "dots" in plan.summary() and jax.process_index() == self.process
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            if broken:
+                raise RuntimeError(f"this model is broken on process {jax.process_index()}")
+            return inner(params, batch)
+
+        return loss_fn
+
+
+def raising_on_process(process: int = 1) -> RaisingOnOneProcessMlp:
+    return RaisingOnOneProcessMlp(process)

@@ -147,11 +147,11 @@ class Executables:
         anchor = self.anchor(budget)
         if anchor is None:
             return None
-        if self._reference is None:
-            self._reference = self._saved_reference()
+        if self._reference is None and self._everyone(self.reference_store is not None and self.reference_store.path.is_dir()):
+            self._reference = self._saved_reference()  # on a slice, every process at once (a restore may wait for all)
             self.reference_from = "loaded"
-            if self.agree is not None and not all(s["loaded"] for s in self.agree({"loaded": self._reference is not None})):
-                self._reference = None  # on a slice loaded by all or by none: the others run it in step
+            if not self._everyone(self._reference is not None):
+                self._reference = None  # loaded by all processes of a slice or by none: they run it in step
         if self._reference is None:  # none saved: full remat's first step runs here
             _, self._reference = first_step(anchor.executable, self.inputs())
             self.reference_from = "computed"
@@ -161,6 +161,10 @@ class Executables:
 
                 self.reference_store.save(jax.tree.leaves(self._reference.change), self._reference.loss)
         return self._reference
+
+    def _everyone(self, yes: bool) -> bool:
+        """``yes`` here and, on a slice, on every process (see :attr:`agree`)."""
+        return yes if self.agree is None else all(said["yes"] for said in self.agree({"yes": yes}))
 
     def _saved_reference(self) -> FirstStep | None:
         """The reference from the ``reference_store``, in the training state's tree; None where

@@ -32,9 +32,10 @@ CHANNEL_PORT_OFFSET = 1
 """The search processes talk on the coordinator's port + this (the workers' JAX job has the port itself)."""
 
 
-RUNTIME_FLAGS = ("--xla_cpu_collective_timeout_seconds",)
-"""XLA flags :func:`join` sets that change how a program waits, not the program: left out of
-the compiler options a measurement is keyed by (``device.describe``)."""
+RUNTIME_FLAGS = ("--xla_cpu_collective_timeout_seconds", "--xla_force_host_platform_device_count")
+"""XLA flags that change how a program waits (:func:`join` sets the first), or how many CPU
+devices a process has (the key holds the devices and the mesh already), not the program: left
+out of the compiler options a measurement and a saved reference are keyed by (``device.describe``)."""
 
 
 def compile_flags(xla_flags: str) -> str:

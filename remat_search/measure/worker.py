@@ -100,8 +100,7 @@ def serve(
         conn.send(protocol.StartFailed("other", _failure(e, line=False)))
         return
     conn.send(protocol.Ready(info.model_dump_json()))
-    # On a slice every process computes the reference in step with the others (none loads it alone).
-    store = None if artifacts is None or member is not None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
+    store = None if artifacts is None else ReferenceStore(Path(artifacts), reference_key(reference_parts(info, workload.layers)))
     # Each plan compiled once in this worker; the reference loaded from the study's artifacts if saved.
     programs = None if artifacts is None else Path(artifacts) / PROGRAMS  # for a calibration (calibrate --study)
     agree = None if member is None else Agreement(member[1].collective_timeout)

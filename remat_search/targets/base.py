@@ -103,8 +103,12 @@ class Target(ABC):
         two plans are timed at once or have their states on a device together. A lock file
         (``flock``) that the kernel releases when its holder dies, in the storage home: the
         folder that the workers of one host share (compose's worker replicas mount it as a
-        volume; each container has a ``/tmp`` of its own)."""
-        ids = ",".join(str(d.id) for d in self.devices())
+        volume; each container has a ``/tmp`` of its own). On a slice, this process's devices
+        (each process of a slice holds its own, in step with the others)."""
+        import jax
+
+        mine = [d for d in self.devices() if jax.process_count() == 1 or d.process_index == jax.process_index()]
+        ids = ",".join(str(d.id) for d in mine)
         digest = hashlib.sha256(f"{self.platform}:{ids}".encode()).hexdigest()[:12]
         home = storage_home()
         home.mkdir(parents=True, exist_ok=True)

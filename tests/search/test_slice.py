@@ -1,0 +1,118 @@
+"""A slice as one search: several processes on this host stand for hosts (each with CPU
+devices of its own, one mesh over all of them, gloo collectives over loopback), started as a
+launcher starts a job's processes. Behaviour only: CPU step times across processes measure
+loopback, not a chip (``benchmarks/slice_kills.py`` reports them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import remat_search
+from remat_search.errors import SLICE_RESTART_EXIT
+from remat_search.report.results import study_report
+from remat_search.spec.loading import parse_spec
+
+from tests.chaos import chaos_slice, slice_port, slice_processes
+from tests.conftest import spec_dict, write_spec
+
+WORKLOAD = {"kind": "mlp", "layers": 2, "width": 32, "hidden": 128, "batch": 16}
+SLICE = {"heartbeat_timeout": "10s", "collective_timeout": "30s", "join_timeout": "120s"}
+COMMON: dict[str, Any] = {
+    "workload": WORKLOAD, "space": {"layout": "uniform", "choices": ["none", "full", "dots"]}, "trials": 3,
+    "mesh": {"data": 4}, "confirm": {"top": 2, "rounds": 2, "presets": False}, "slice": SLICE,
+    "timing": {"warmup": 1, "repeats": 2, "timeout": "120s"},
+}
+
+
+def _finish(procs: list[Any]) -> list[str]:
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log
+    return logs
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int
+) -> None:
+    """The same study on one process with 4 devices, then on a slice of ``processes`` processes
+    with 4 devices in all: the same plans, the same verdicts, each trial's peak equal to the
+    byte, the same losses; and on the slice each plan's first step is checked against the
+    reference the single process saved (every process loaded it)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=4")
+    single = remat_search.run(parse_spec(spec_dict(f"sqlite:///{tmp_path / 'one.db'}", study="s", **COMMON)))
+    monkeypatch.setenv("XLA_FLAGS", flags)  # not undo(): that would undo the test's own storage home too
+
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    spec = write_spec(tmp_path / "slice.yaml", spec_dict(storage, study="s", **COMMON))
+    logs = _finish(slice_processes([spec] * processes, port=slice_port(), devices=4 // processes))
+    assert "following the leader" in logs[1] and "the leader ended the search" in logs[-1]
+
+    report = study_report(optuna.load_study(study_name="s", storage=storage))
+    assert report.device["processes"] == processes and report.device["device_count"] == 4
+    by_plan = {t.plan.digest: t for t in single.trials}
+    assert {t.plan.digest for t in report.trials} == set(by_plan)
+    for trial in report.trials:
+        one, m = by_plan[trial.plan.digest].measurement, trial.measurement
+        assert trial.status == "measured" and m.time_source == "measured", trial.error
+        assert m.memory == one.memory and m.peak_bytes == one.peak_bytes
+        assert len(m.slice_peaks) == processes and max(m.slice_peaks) == m.peak_bytes
+        assert m.first_loss == pytest.approx(one.first_loss, rel=1e-6)
+        assert m.loss == pytest.approx(one.loss, rel=1e-6)
+        # Checked against the single process's saved first step (every process loaded it):
+        # the slice's gradients are the single process's, to the study's tolerance.
+        assert m.reference_from == "loaded" and one.reference_from == "computed", logs[0][-3000:]
+        assert m.grad_rel_error <= 1e-3
+    assert any(t.confirmed for t in report.trials)  # the confirmation re-timed on the slice too
+
+
+def test_a_plan_one_process_cannot_compile_fails_on_all_and_the_search_goes_on(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    spec = write_spec(tmp_path / "slice.yaml", spec_dict(
+        storage, study="raising", **{**COMMON, "workload": {"factory": "tests.factories:raising_on_process"},
+                                      "confirm": {"top": 0}},
+    ))
+    _finish(slice_processes([spec] * 2, port=slice_port(), devices=2))
+    report = study_report(optuna.load_study(study_name="raising", storage=storage))
+    status = {t.plan.summary(): t for t in report.trials}
+    assert {p: t.status for p, t in status.items()} == {"none×2": "measured", "full×2": "measured", "dots×2": "failed"}
+    error = status["dots×2"].error
+    assert error == f"process 1 ({os.uname().nodename}) failed: RuntimeError: this model is broken on process 1"
+    assert len(report.trials) == 3  # and the search went on to its trial count
+
+
+def test_a_process_whose_spec_differs_is_refused_before_any_compile(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    ours = write_spec(tmp_path / "ours.yaml", spec_dict(storage, study="differs", **COMMON))
+    theirs = write_spec(tmp_path / "theirs.yaml", spec_dict(
+        storage, study="differs", **{**COMMON, "workload": {**WORKLOAD, "layers": 3}},
+    ))
+    procs = slice_processes([ours, theirs], port=slice_port(), devices=2)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], logs
+    line = f"process 1 on host {os.uname().nodename} differs: spec.workload.layers is 3 there, 2 on the leader"
+    for log in logs:
+        errors = [text for text in log.splitlines() if text.startswith("error:")]
+        assert errors == [f"error: slice: {line}"], log
+    assert not (tmp_path / "slice.db").exists()  # nothing written
+    assert "Gloo" not in "".join(logs)  # no worker joined: nothing compiled
+
+
+def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_and_loses_nothing(tmp_path: Path) -> None:
+    """The short version of ``benchmarks/slice_kills.py``."""
+    seen = chaos_slice(tmp_path, kills=2, trials=5, processes=2, seed=1)
+    assert seen["kills"] == 2 and seen["final"] == [0, 0]
+    assert seen["exits"] and all(code in (0, SLICE_RESTART_EXIT) for code in seen["exits"]), seen["exits"]
+    assert SLICE_RESTART_EXIT in seen["exits"]
+    assert seen["stragglers"] == 0 and not seen["orphans"]
+    assert seen["finished"] == 5 and seen["running"] == 0 and not seen["lost"]
+    assert all(t.state != TrialState.RUNNING for t in seen["trials"])
+    assert signal.SIGKILL  # the victims' code (-9) is not among the survivors' exits
