@@ -235,8 +235,9 @@ def slice_port() -> int:
 
 
 SLICE_EXIT_SECONDS = 120.0
-"""How long the other processes of a slice may take to stop once one of them was killed: the
-slice's heartbeat timeout in the chaos spec is 5 s; this bounds a loaded host too."""
+"""How long the other processes of a slice may take to stop once one of them was killed: in
+the chaos spec 5 s without a heartbeat, 20 s in a collective, 30 s to join (a process killed
+before it joined is told from one not yet started only by then); this bounds a loaded host too."""
 
 
 def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, seed: int = 0) -> dict[str, Any]:
@@ -257,7 +258,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
         storage, study="chaos", workload=WORKLOAD, space=SPACE, trials=trials, mesh={"data": 2 * processes},
         sampler={"kind": "random", "seed": seed}, confirm={"top": 0},
         timing={"warmup": 1, "repeats": 2, "timeout": "60s"}, heartbeat={"interval": 1, "grace": 5},
-        slice={"heartbeat_timeout": "5s", "collective_timeout": "20s", "join_timeout": "120s"},
+        slice={"heartbeat_timeout": "5s", "collective_timeout": "20s", "join_timeout": "30s"},
     ))
     port = slice_port()
     started = time.monotonic()

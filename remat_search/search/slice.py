@@ -223,6 +223,9 @@ class SliceRunner:
             self._send_all(Describe())
             try:
                 info = self._local.describe()
+            except RematSearchError:
+                self._check()  # its worker was killed because a process was lost: that is the error
+                raise
             finally:
                 replies = [channel.recv() for channel in self._channels]
             for i, reply in enumerate(replies, start=1):
@@ -239,6 +242,7 @@ class SliceRunner:
         every plan it compiles, or the others would wait for it in a collective."""
         self._send_all(protocol.Measure(plan.to_json(), budget, timing, gradient_tolerance, ask=False))
         mine = self._local.measure(plan, budget=budget, timing=timing, gradient_tolerance=gradient_tolerance)
+        self._check()
         theirs = []
         for channel in self._channels:
             reply = channel.recv()
@@ -261,6 +265,7 @@ class SliceRunner:
             mine = self._local.retime(plans, warmup=warmup, rounds=rounds, budget=budget)
         except RematSearchError as e:
             failure = str(e)
+        self._check()
         everyone = [mine]
         for i, channel in enumerate(self._channels, start=1):
             reply = channel.recv()
@@ -292,6 +297,12 @@ class SliceRunner:
                 pass
             channel.close()
         self._local.close()
+
+    def _check(self) -> None:
+        """:class:`SliceLost` where a process was lost (its worker's failure is not the plan's)."""
+        for channel in self._channels:
+            if channel.lost is not None:
+                raise SliceLost(f"slice: {channel.peer} is {channel.lost}")
 
     def _send_all(self, message: Any) -> None:
         for channel in self._channels:
