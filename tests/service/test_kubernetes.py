@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +23,8 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
+from remat_search.errors import SLICE_RESTART_EXIT
+from remat_search.measure.slice import CHANNEL_PORT_OFFSET, PROCESS_ID_ENV
 from remat_search.plans.plan import RematPlan
 from remat_search.store.liveness import counts
 
@@ -73,6 +76,7 @@ def container(kind: str, name: str) -> dict[str, Any]:
 
 
 API, WORKERS, SECRET = ("Deployment", "remat-search-api"), ("Job", "remat-search-workers"), ("Secret", "remat-search")
+SLICE = ("Job", "remat-search-slice")
 
 
 # --- the objects are what the Kubernetes API takes ---
@@ -80,7 +84,7 @@ API, WORKERS, SECRET = ("Deployment", "remat-search-api"), ("Job", "remat-search
 
 def test_every_object_loads_through_the_kubernetes_models_unchanged() -> None:
     docs = documents()
-    assert sorted(doc["kind"] for doc in docs) == ["Deployment", "Job", "Secret", "Service"]
+    assert sorted(doc["kind"] for doc in docs) == ["Deployment", "Job", "Job", "Secret", "Service", "Service"]
     for doc in docs:
         assert round_trip(doc) == doc, doc["metadata"]["name"]
     misspelt = copy.deepcopy(objects()[WORKERS])
@@ -97,7 +101,7 @@ def test_every_object_loads_through_the_kubernetes_models_unchanged() -> None:
 
 def test_the_service_is_a_deployment_the_workers_a_job_of_32_and_the_secrets_a_secret() -> None:
     found = objects()
-    assert set(found) == {API, WORKERS, SECRET, ("Service", "remat-search-api")}
+    assert set(found) == {API, WORKERS, SECRET, ("Service", "remat-search-api"), SLICE, ("Service", "remat-search-slice")}
     job = found[WORKERS]["spec"]
     assert job["parallelism"] == 32 and "completions" not in job  # a work queue: done when the pods exit 0
     assert pod(*WORKERS)["restartPolicy"] == "OnFailure"
@@ -154,6 +158,36 @@ def test_every_remat_search_command_and_option_in_the_manifests_exists() -> None
         assert command in commands, (where, command)
         assert [a for a in args if a.startswith("-") and a not in commands[command]] == []
     assert container(*WORKERS)["args"] == ["worker", "--until-idle"]  # each pod exits 0 when nothing is left
+
+
+def test_the_slice_is_an_indexed_job_of_one_pod_a_process_restarted_on_the_slices_exit_code() -> None:
+    """docker/k8s/slice.yaml: one pod a host, each told its index (``$REMAT_SEARCH_PROCESS_ID``)
+    and pod 0's name through the headless Service; a pod that exits 42 (the slice lost a
+    process) or is killed is created again, any other failure ends the Job; the study is in the
+    Secret's database, which every restart finds."""
+    found = objects()
+    job, service = found[SLICE]["spec"], found[("Service", "remat-search-slice")]["spec"]
+    args = container(*SLICE)["args"]
+    assert args[0] == "run" and [a for a in args[1:] if a.startswith("-") and a not in _remat_search_commands()["run"]] == []
+    processes = int(args[args.index("--processes") + 1])
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"] == processes
+    leader = args[args.index("--coordinator") + 1]
+    host, port = leader.rsplit(":", 1)
+    assert host == f"{found[SLICE]['metadata']['name']}-0.{pod(*SLICE)['subdomain']}"  # pod 0, by the Service
+    assert service["clusterIP"] == "None" and pod(*SLICE)["subdomain"] == "remat-search-slice"
+    assert service["selector"] == found[SLICE]["spec"]["template"]["metadata"]["labels"]
+    assert {p["port"] for p in service["ports"]} == {int(port), int(port) + CHANNEL_PORT_OFFSET}
+    env = {e["name"]: e["valueFrom"] for e in container(*SLICE)["env"]}
+    assert env[PROCESS_ID_ENV] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert env["REMAT_SEARCH_STORAGE"] == {"secretKeyRef": {"name": "remat-search", "key": "storage"}}
+    assert pod(*SLICE)["restartPolicy"] == "Never" and job["backoffLimit"] == 0
+    ignore, disrupted, fail = job["podFailurePolicy"]["rules"]
+    assert ignore["action"] == "Ignore" and SLICE_RESTART_EXIT in ignore["onExitCodes"]["values"]
+    assert 128 + signal.SIGKILL in ignore["onExitCodes"]["values"]  # 137: killed (the kernel's OOM killer too)
+    assert disrupted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["operator"] == "NotIn"
+    assert set(fail["onExitCodes"]["values"]) == {0, *ignore["onExitCodes"]["values"]}
+    assert not {1, 2, 3} & set(ignore["onExitCodes"]["values"])  # what a restart would not mend ends the Job
 
 
 # --- the containers' own command lines, as local processes ---
