@@ -106,6 +106,15 @@ def _finished(db: Path) -> int:
         return 0
 
 
+def _asked(db: Path) -> int:
+    """How many trials the study has asked for so far, in any state (0 before its tables exist)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=60)) as connection:
+            return connection.execute("SELECT count(*) FROM trials").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0
+
+
 def _complete(storage: str) -> dict[int, tuple[Any, ...]]:
     try:
         trials = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
@@ -248,7 +257,8 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     killed (SIGKILL) at a random moment ``kills`` times; then the slice runs to the end.
 
     Returns ``kills``, ``runs`` (slice starts), ``exits`` (the codes of the processes that
-    were not killed, at each kill), ``stragglers`` (processes that had to be killed because
+    were not killed, at each kill), ``restart_seconds`` (from each start after the first to the
+    first trial it asks for), ``stragglers`` (processes that had to be killed because
     they did not stop by themselves), ``finished``, ``running``, ``lost`` (complete trials
     missing or changed since any kill), ``orphans`` (workers alive after their search died),
     ``final`` (the exit codes of the last start) and ``seconds``."""
@@ -267,15 +277,21 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     workers_seen: set[int] = set()
     killed = runs = stragglers = 0
     final: list[int | None] = []
+    restart_seconds: list[float] = []
     while True:
+        launched, asked_before = time.monotonic(), _asked(folder / "slice.db")
         procs = slice_processes([spec] * processes, port=port, devices=2, quiet=True)
         runs += 1
         deadline = time.monotonic() + rng.uniform(2.0, 12.0)
         last_run = killed >= kills
+        timed = runs == 1  # the first start makes the study: only restarts are timed
         while (last_run or time.monotonic() < deadline) and all(p.poll() is None for p in procs) \
                 and (last_run or _finished(folder / "slice.db") < trials - 1):
             for p in procs:
                 workers_seen.update(c.pid for c in _children(p.pid))
+            if not timed and _asked(folder / "slice.db") > asked_before:
+                restart_seconds.append(time.monotonic() - launched)
+                timed = True
             time.sleep(0.05)
         if not last_run and all(p.poll() is None for p in procs):
             victim = rng.choice(procs)
@@ -302,6 +318,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
     return {
         "kills": killed, "runs": runs, "exits": exits, "stragglers": stragglers, "final": final,
+        "restart_seconds": restart_seconds,
         "seconds": time.monotonic() - started,
         "finished": sum(counts(t) for t in trials_now),
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from remat_search.units import format_bytes, format_duration, format_seconds, size_argument
 
@@ -268,8 +268,21 @@ def _unreported_line(mem: MemoryBreakdown) -> str:
     )
 
 
-def describe_trial(t: TrialResult) -> str:
-    """A multi-line account of one trial: per-layer plan and the whole measurement."""
+def ran_on(m: Any, device: dict[str, Any] | None) -> str:
+    """Where a measured trial ran: its hosts (a slice's processes) and devices, and on a slice
+    each host's peak."""
+    hosts = len(m.slice_peaks) or 1
+    devices = f", {device['device_count']} devices" if device and device.get("device_count") else ""
+    if hosts == 1:
+        return f"  ran on 1 host{devices}"
+    peaks = ", ".join(format_bytes(p) for p in m.slice_peaks)
+    return (f"  ran on a slice of {hosts} hosts{devices}, in lockstep (each step the slowest host's); "
+            f"peak per host: {peaks}")
+
+
+def describe_trial(t: TrialResult, device: dict[str, Any] | None = None) -> str:
+    """A multi-line account of one trial: per-layer plan and the whole measurement; with the
+    study's ``device`` (as stored), where it ran: how many hosts and devices."""
     from remat_search.measure.measurement import relative_spread
 
     lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
@@ -330,6 +343,8 @@ def describe_trial(t: TrialResult) -> str:
             f"  step: median {format_seconds(m.median_seconds)}, min {format_seconds(m.min_seconds)}, "
             f"spread {relative_spread(m.step_times):.0%} over {len(m.step_times)} repeats"
         )
+    if m and m.time_source == "measured":
+        lines.append(ran_on(m, device))
     if m and m.anchor_ratio is not None and m.anchor_seconds:
         lines.append(
             f"  vs the anchor (full remat), step by step: median ratio {m.anchor_ratio:.3f}, "
