@@ -78,13 +78,13 @@ def member_of(coordinator: str | None, processes: int | None, process_id: int | 
     process_id = process_id if process_id is not None else _int_env(PROCESS_ID_ENV, "--process-id")
     if coordinator is None and processes is None and process_id is None:
         return _cloud_tpu_member()
-    missing = [flag for flag, value in (("--coordinator", coordinator), ("--processes", processes),
-                                        ("--process-id", process_id)) if value is None]
+    settings = (("--coordinator", coordinator, COORDINATOR_ENV, "HOST:PORT"), ("--processes", processes, PROCESSES_ENV, "N"),
+                ("--process-id", process_id, PROCESS_ID_ENV, "I"))
+    missing = [(flag, env, form) for flag, value, env, form in settings if value is None]
     if missing:
-        raise SpecError(
-            f"{missing[0]}: required on a slice (given: the others); set --coordinator HOST:PORT, --processes N "
-            f"and --process-id I, or ${COORDINATOR_ENV}, ${PROCESSES_ENV}, ${PROCESS_ID_ENV}"
-        )
+        flag, env, form = missing[0]
+        given = " and ".join(f for f, value, _, _ in settings if value is not None)
+        raise SpecError(f"{flag}: required with {given} on a slice: give {flag} {form} or ${env}")
     assert coordinator is not None and processes is not None and process_id is not None
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65535:
@@ -107,23 +107,21 @@ def _int_env(name: str, flag: str) -> int | None:
 
 
 def _cloud_tpu_member() -> SliceMember | None:
-    """A multi-host Cloud TPU VM's place in its slice, as JAX's own cluster detection reads it
-    from the VM's metadata; None elsewhere, and on a single-host TPU VM."""
+    """A multi-host Cloud TPU VM's place in its slice (GCE or GKE), as JAX's own cluster
+    detection reads it for ``jax.distributed.initialize()``; None elsewhere, and on a host that
+    is the whole slice."""
     from remat_search.targets.platform import tpu_chips_attached
 
     if tpu_chips_attached() == 0:
         return None
     from jax._src.clusters import ClusterEnv  # private: the detection initialize() runs
 
-    for env in ClusterEnv._cluster_types:
-        if "Tpu" in env.__name__ and env.is_env_present():
-            count = env.get_process_count()
-            if count > 1:
-                return SliceMember(
-                    coordinator=env.get_coordinator_address(timeout_secs=None), processes=count,
-                    process_id=env.get_process_id(),
-                )
-    return None
+    if not any("Tpu" in env.__name__ and env.is_env_present() for env in ClusterEnv._cluster_types):
+        return None
+    coordinator, count, index, _ = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 300)
+    if coordinator is None or count is None or index is None or count == 1:
+        return None
+    return SliceMember(coordinator=coordinator, processes=count, process_id=index)
 
 
 def join(member: SliceMember, config: SliceConfig) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,69 @@ def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_an
     assert seen["finished"] == 5 and seen["running"] == 0 and not seen["lost"]
     assert all(t.state != TrialState.RUNNING for t in seen["trials"])
     assert signal.SIGKILL  # the victims' code (-9) is not among the survivors' exits
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--coordinator", "127.0.0.1:9000", "--processes", "2"],
+     "--process-id: required with --coordinator and --processes on a slice: give --process-id I or $REMAT_SEARCH_PROCESS_ID"),
+    (["--coordinator", "nowhere", "--processes", "2", "--process-id", "0"],
+     "--coordinator: expected HOST:PORT (a port below 65535), got 'nowhere'"),
+    (["--coordinator", "127.0.0.1:9000", "--processes", "2", "--process-id", "2"],
+     "--process-id: expected 0 to 1 (--processes 2), got 2"),
+    (["--coordinator", "127.0.0.1:9000", "--processes", "0", "--process-id", "0"],
+     "--processes: expected a count of 1 or more, got 0"),
+])
+def test_bad_slice_flags_are_one_line_and_exit_2_with_nothing_written(
+    tmp_path: Path, cli: Any, flags: list[str], said: str
+) -> None:
+    spec = write_spec(tmp_path / "slice.yaml", spec_dict(f"sqlite:///{tmp_path / 'slice.db'}", **COMMON))
+    result = cli("run", str(spec), *flags)
+    assert result.exit_code == 2 and result.stderr == f"error: {said}\n", result.output
+    assert not (tmp_path / "slice.db").exists()
+
+
+def test_a_slice_needs_a_mesh_over_every_process_and_its_own_devices(tmp_path: Path, cli: Any) -> None:
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    flags = ["--coordinator", "127.0.0.1:9000", "--processes", "2", "--process-id", "1"]
+    meshless = write_spec(tmp_path / "meshless.yaml", spec_dict(storage, **{**COMMON, "mesh": None}))
+    result = cli("run", str(meshless), *flags)
+    assert result.exit_code == 2 and result.stderr.startswith("error: spec.mesh: required on a slice of 2 processes")
+    tpu = write_spec(tmp_path / "tpu.yaml", spec_dict(storage, **{**COMMON, "target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"fsdp": 4}}))
+    result = cli("run", str(tpu), *flags)
+    assert result.exit_code == 2 and result.stderr.startswith("error: spec.target: a slice runs its plans on its own devices")
+    assert not (tmp_path / "slice.db").exists()
+
+
+def test_a_process_that_hangs_is_lost_after_the_heartbeat_timeout_and_its_trial_queued_again(tmp_path: Path) -> None:
+    """SIGSTOP of process 1 mid-study: the leader hears no heartbeat for ``slice.heartbeat_timeout``
+    and exits 42, its trial failed and its plan queued again; the launcher (this test) kills the
+    stopped process, starts the slice again, and the study finishes with every trial done."""
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    spec = write_spec(tmp_path / "slice.yaml", spec_dict(storage, study="hang", **{
+        **COMMON, "trials": 6, "space": {"layout": "per_layer", "choices": ["none", "full", "dots"]},
+        "confirm": {"top": 0}, "slice": {**SLICE, "heartbeat_timeout": "4s"},
+    }))
+    port = slice_port()
+    leader, follower = slice_processes([spec, spec], port=port, devices=2)
+    while not _complete_trials(storage):
+        assert leader.poll() is None, leader.communicate()[0]
+        time.sleep(0.1)
+    follower.send_signal(signal.SIGSTOP)
+    log = leader.communicate(timeout=120)[0]
+    follower.kill()
+    follower.communicate()
+    assert leader.returncode == SLICE_RESTART_EXIT, log
+    assert "error: slice: process 1 (" in log and "is silent for 4 s (slice.heartbeat_timeout)" in log
+    study = optuna.load_study(study_name="hang", storage=storage)
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    cut = study.get_trials(states=(TrialState.FAIL,))
+    assert cut and study.get_trials(states=(TrialState.WAITING,))  # failed, and its plan queued again
+    _finish(slice_processes([spec, spec], port=port, devices=2))
+    assert sum(t.state == TrialState.COMPLETE for t in optuna.load_study(study_name="hang", storage=storage).trials) == 6
+
+
+def _complete_trials(storage: str) -> int:
+    try:
+        return len(optuna.load_study(study_name="hang", storage=storage).get_trials(states=(TrialState.COMPLETE,)))
+    except KeyError:
+        return 0
