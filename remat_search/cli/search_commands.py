@@ -81,7 +81,10 @@ def run(
         check_slice(loaded, member)
         output.note(f"process {member.process_id} of {member.processes}: following the leader at "
                     f"{member.channel[0]}:{member.channel[1]}")
-        follow(loaded, member)
+        try:
+            follow(loaded, member)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None  # the leader loses this process: it stops the slice (exit 42)
         output.note(f"process {member.process_id}: the leader ended the search")
         return
     if isinstance(loaded.budget, int):  # a share (70%) is said once the search has compiled no remat

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from remat_search.errors import RematSearchError, RunError, SliceLost, SpecError, WorkloadError
 from remat_search.measure import protocol
 from remat_search.measure.device import DeviceInfo
@@ -90,6 +92,27 @@ class _Beat:
 
 
 _LOST = object()
+MESSAGES: dict[str, type] = {kind.__name__: kind for kind in (
+    Hello, Welcome, Describe, Restart, Restarted, End, _Beat, protocol.Ready, protocol.StartFailed,
+    protocol.Measure, protocol.Retime, protocol.Done, protocol.Failed,
+)}
+"""What the channel carries, by name: as JSON, never pickles (anyone who reaches the port could
+make a pickle run code here)."""
+
+
+def encode(message: Any) -> bytes:
+    """``message`` (one of :data:`MESSAGES`) as JSON."""
+    kind = type(message).__name__
+    return json.dumps({"kind": kind, "fields": TypeAdapter(MESSAGES[kind]).dump_python(message, mode="json")}).encode()
+
+
+def decode(data: bytes) -> Any:
+    """A message from its JSON; ``ValueError`` for anything that is not one."""
+    try:
+        said = json.loads(data)
+        return TypeAdapter(MESSAGES[said["kind"]]).validate_python(said["fields"])
+    except (KeyError, TypeError, ValueError, ValidationError) as e:
+        raise ValueError(f"not a message of remat-search ({type(e).__name__})") from None
 
 
 class Channel:
@@ -97,7 +120,8 @@ class Channel:
     from a thread, and a reader thread that notices a peer gone (the connection closed) or
     silent past ``heartbeat_timeout``. Then ``on_lost`` is called (from that thread: it kills
     the worker, so that a measurement waiting on the lost peer ends) and :meth:`recv` raises
-    :class:`SliceLost`. An :class:`End` read is the channel's last message."""
+    :class:`SliceLost`. An :class:`End` read is the channel's last message, and ends a
+    measurement in progress the same way (:attr:`ended`)."""
 
     def __init__(self, sock: socket.socket, *, peer: str, config: SliceConfig,
                  on_lost: Callable[[], None] = lambda: None) -> None:
@@ -109,6 +133,7 @@ class Channel:
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._closed = threading.Event()
         self.lost: str | None = None
+        self.ended = False
         threading.Thread(target=self._beat, args=(config.heartbeat_timeout / BEATS_PER_TIMEOUT,), daemon=True,
                          name=f"remat-search-beat-{peer}").start()
         threading.Thread(target=self._read, daemon=True, name=f"remat-search-read-{peer}").start()
@@ -117,7 +142,7 @@ class Channel:
         """Send ``message``; :class:`SliceLost` where the peer is gone."""
         try:
             with self._lock:
-                self._conn.send(message)
+                self._conn.send_bytes(encode(message))
         except OSError as e:
             self._lose(f"gone ({e.strerror or e})")
             raise SliceLost(f"slice: {self.peer} is {self.lost}") from None
@@ -141,7 +166,7 @@ class Channel:
         while not self._closed.wait(every):
             try:
                 with self._lock:
-                    self._conn.send(_Beat())
+                    self._conn.send_bytes(encode(_Beat()))
             except OSError:
                 return  # the reader tells
 
@@ -151,15 +176,20 @@ class Channel:
                 if not self._conn.poll(self._silence):
                     self._lose(f"silent for {self._silence:g} s (slice.heartbeat_timeout)")
                     return
-                message = self._conn.recv()
+                message = decode(self._conn.recv_bytes())
             except (EOFError, OSError):
                 if not self._closed.is_set():
                     self._lose("gone (its connection closed: the process died or stopped)")
                 return
+            except ValueError as e:
+                self._lose(f"speaking another language: {e}")
+                return
             if isinstance(message, _Beat):
                 continue
             self._inbox.put(message)
-            if isinstance(message, End):
+            if isinstance(message, End):  # the leader is done: a measurement in progress is moot
+                self.ended = True
+                self._on_lost()
                 return
 
     def _lose(self, reason: str) -> None:
@@ -330,7 +360,14 @@ def lead(spec: SearchSpec, member: SliceMember) -> Iterator[SliceRunner]:
                     f"{spec.slice.join_timeout:g} s (slice.join_timeout), listening on port {port}"
                 ) from None
             channel = Channel(sock, peer="a process", config=spec.slice, on_lost=local.kill)
-            hello = channel.recv()
+            try:
+                hello = channel.recv()
+            except SliceLost:  # it left before it said who it is: wait for it again
+                channel.close()
+                continue
+            if not isinstance(hello, Hello):  # not one of the slice's processes
+                channel.close()
+                continue
             channel.peer = f"process {hello.process_id} ({hello.host})"
             difference = first_difference(comparable(spec), hello.spec)
             if difference is not None or hello.process_id in channels or not 0 < hello.process_id < member.processes:
@@ -365,7 +402,11 @@ def follow(spec: SearchSpec, member: SliceMember) -> None:
             if isinstance(request, End):
                 channel.close()
                 return
-            channel.send(_answer(runner, request))
+            answer = _answer(runner, request)
+            if channel.ended:  # the leader stopped (Ctrl-C) while this process measured
+                channel.close()
+                return
+            channel.send(answer)
 
 
 def _answer(runner: Runner, request: Any) -> Any:
