@@ -33,6 +33,7 @@ from optuna.trial import TrialState  # noqa: E402
 
 from remat_search.errors import SLICE_RESTART_EXIT  # noqa: E402
 from remat_search.report.results import study_report  # noqa: E402
+from remat_search.store.attributes import CACHED_ATTR, REUSED_ATTR  # noqa: E402
 from tests.chaos import chaos_slice, slice_port, slice_processes  # noqa: E402
 from tests.conftest import spec_dict, write_spec  # noqa: E402
 
@@ -55,31 +56,38 @@ def restarts(folder: Path, seen: dict) -> None:
     """A failed candidate's cost (a fresh JAX job on every process) and a lost process's (the
     slice started again), in seconds, from trial timestamps."""
     spec = write_spec(folder / "failing.yaml", spec_dict(
-        f"sqlite:///{folder / 'failing.db'}", study="failing", workload={"factory": "tests.factories:raising_on_process"},
-        space={"layout": "uniform", "choices": ["none", "full", "dots", "none", "full"]}, trials=6, mesh={"data": 4},
+        f"sqlite:///{folder / 'failing.db'}", study="failing", workload={"factory": "tests.factories:raising_on_process", "args": {"layers": 4}},
+        space={"layout": "per_layer", "choices": ["none", "full", "dots"]}, trials=24, mesh={"data": 4},
         sampler={"kind": "random", "seed": 0}, confirm={"top": 0}, timing={"warmup": 1, "repeats": 2, "timeout": "120s"},
     ))
-    procs = slice_processes([spec, spec], port=slice_port(), devices=2, quiet=True)
-    assert [p.wait(timeout=900) for p in procs] == [0, 0]
+    procs = slice_processes([spec, spec], port=slice_port(), devices=2)
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
     trials = sorted(optuna.load_study(study_name="failing", storage=f"sqlite:///{folder / 'failing.db'}").trials,
                     key=lambda t: t.datetime_start)
-    gaps = [(b.datetime_start - a.datetime_complete).total_seconds() for a, b in zip(trials, trials[1:])]
-    after_failure = [g for t, g in zip(trials, gaps) if t.state == TrialState.FAIL]
-    after_success = [g for t, g in zip(trials, gaps) if t.state != TrialState.FAIL]
-    durations = [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials if t.state != TrialState.FAIL]
-    measured = [t for t in seen["trials"] if t.state == TrialState.COMPLETE]
+
+    def measured(t: optuna.trial.FrozenTrial) -> bool:  # here, not a stored measurement reused
+        return t.state == TrialState.COMPLETE and not {REUSED_ATTR, CACHED_ATTR} & set(t.user_attrs)
+
+    def seconds(t: optuna.trial.FrozenTrial) -> float:
+        return (t.datetime_complete - t.datetime_start).total_seconds()
+
+    after_failure = [seconds(b) for a, b in zip(trials, trials[1:]) if a.state == TrialState.FAIL and measured(b)]
+    after_success = [seconds(b) for a, b in zip(trials, trials[1:]) if measured(a) and measured(b)]
+    failed = [seconds(t) for t in trials if t.state == TrialState.FAIL]
     print()
     print("| what | seconds (median) | from |")
     print("|---|---|---|")
-    print(f"| a trial, measured (compile, check, time) | {statistics.median(durations):.1f} | {len(durations)} trials |")
-    print(f"| next trial after a measured one: gap | {statistics.median(after_success):.2f} | {len(after_success)} gaps |")
-    print(f"| next trial after a failed one: gap (workers stopped; the next trial's own start includes a fresh JAX job) "
-          f"| {statistics.median(after_failure):.2f} | {len(after_failure)} gaps |")
+    print(f"| a trial measured after a measured one (the workers kept) | {statistics.median(after_success):.1f} "
+          f"| {len(after_success)} trials |")
+    print(f"| a trial measured after a failed one (every process starts a fresh worker, a new JAX job, first) "
+          f"| {statistics.median(after_failure):.1f} | {len(after_failure)} trials |")
+    print(f"| a trial that failed to compile on one process (and the workers stopped) | {statistics.median(failed):.1f} "
+          f"| {len(failed)} trials |")
     starts = seen.get("restart_seconds") or []
     if starts:
         print(f"| the slice started again after a kill, to its first trial admitted | {statistics.median(starts):.1f} "
               f"| {len(starts)} starts |")
-    print(f"| kill study: trials measured | {len(measured)} | |")
 
 
 def step_times(folder: Path) -> None:

@@ -357,16 +357,16 @@ def refusing(batch: int, refused: int = 4) -> MlpWorkload:
 
 
 class RaisingOnOneProcessMlp(MlpWorkload):
-    """An MLP whose plans with a ``dots`` layer raise while traced on one process of a slice
-    (``process``), and compile on the others: a candidate only one host fails to compile."""
+    """An MLP whose plans with ``dots`` on the first layer raise while traced on one process of
+    a slice (``process``), and compile on the others: a candidate only one host fails to compile."""
 
-    def __init__(self, process: int) -> None:
-        super().__init__(MlpConfig(kind="mlp", layers=2, width=32, hidden=128, batch=16))
+    def __init__(self, process: int, layers: int) -> None:
+        super().__init__(MlpConfig(kind="mlp", layers=layers, width=32, hidden=128, batch=16))
         self.process = process
 
     def loss(self, plan: RematPlan) -> Callable:
         inner = super().loss(plan)
-        broken = "dots" in plan.summary() and jax.process_index() == self.process
+        broken = plan.summary().startswith("dots") and jax.process_index() == self.process
 
         def loss_fn(params, batch):  # type: ignore[no-untyped-def]
             if broken:
@@ -376,5 +376,5 @@ class RaisingOnOneProcessMlp(MlpWorkload):
         return loss_fn
 
 
-def raising_on_process(process: int = 1) -> RaisingOnOneProcessMlp:
-    return RaisingOnOneProcessMlp(process)
+def raising_on_process(process: int = 1, layers: int = 2) -> RaisingOnOneProcessMlp:
+    return RaisingOnOneProcessMlp(process, layers)

@@ -23,6 +23,8 @@ from remat_search.spec.loading import parse_spec
 from tests.chaos import chaos_slice, slice_port, slice_processes
 from tests.conftest import spec_dict, write_spec
 
+pytestmark = pytest.mark.slow  # several processes as hosts
+
 WORKLOAD = {"kind": "mlp", "layers": 2, "width": 32, "hidden": 128, "batch": 16}
 SLICE = {"heartbeat_timeout": "10s", "collective_timeout": "30s", "join_timeout": "120s"}
 COMMON: dict[str, Any] = {
@@ -41,7 +43,7 @@ def _finish(procs: list[Any]) -> list[str]:
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Any, processes: int
 ) -> None:
     """The same study on one process with 4 devices, then on a slice of ``processes`` processes
     with 4 devices in all: the same plans, the same verdicts, each trial's peak equal to the
@@ -73,15 +75,18 @@ def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
         assert m.reference_from == "loaded" and one.reference_from == "computed", logs[0][-3000:]
         assert m.grad_rel_error <= 1e-3
     assert any(t.confirmed for t in report.trials)  # the confirmation re-timed on the slice too
+    shown = cli("show", "--study", "s", "--storage", storage, "--trial", "0")
+    assert f"ran on a slice of {processes} hosts, 4 devices, in lockstep" in shown.stdout, shown.output
 
 
-def test_a_plan_one_process_cannot_compile_fails_on_all_and_the_search_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_plan_one_process_cannot_compile_fails_on_all_and_the_search_goes_on(tmp_path: Path, processes: int) -> None:
     storage = f"sqlite:///{tmp_path / 'slice.db'}"
     spec = write_spec(tmp_path / "slice.yaml", spec_dict(
         storage, study="raising", **{**COMMON, "workload": {"factory": "tests.factories:raising_on_process"},
                                       "confirm": {"top": 0}},
     ))
-    _finish(slice_processes([spec] * 2, port=slice_port(), devices=2))
+    _finish(slice_processes([spec] * processes, port=slice_port(), devices=4 // processes))
     report = study_report(optuna.load_study(study_name="raising", storage=storage))
     status = {t.plan.summary(): t for t in report.trials}
     assert {p: t.status for p, t in status.items()} == {"none×2": "measured", "full×2": "measured", "dots×2": "failed"}
@@ -116,7 +121,6 @@ def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_an
     assert seen["stragglers"] == 0 and not seen["orphans"]
     assert seen["finished"] == 5 and seen["running"] == 0 and not seen["lost"]
     assert all(t.state != TrialState.RUNNING for t in seen["trials"])
-    assert signal.SIGKILL  # the victims' code (-9) is not among the survivors' exits
 
 
 @pytest.mark.parametrize(("flags", "said"), [
@@ -183,3 +187,24 @@ def _complete_trials(storage: str) -> int:
         return len(optuna.load_study(study_name="hang", storage=storage).get_trials(states=(TrialState.COMPLETE,)))
     except KeyError:
         return 0
+
+
+def test_a_slice_of_one_process_answers_as_the_single_host_path(tmp_path: Path, cli: Any) -> None:
+    """The slice path with one process (what one GPU host checks it by): the same trials, peaks
+    and verdicts as the single-host path, each measured (which plan is fastest is the clock's
+    to say, not a test's)."""
+    common = {**COMMON, "mesh": None, "confirm": {"top": 0}}
+    runs = {}
+    for name, flags in (("single", []), ("slice", ["--coordinator", f"127.0.0.1:{slice_port()}", "--processes", "1",
+                                                    "--process-id", "0"])):
+        storage = f"sqlite:///{tmp_path / f'{name}.db'}"
+        spec = write_spec(tmp_path / f"{name}.yaml", spec_dict(storage, study=name, **common))
+        result = cli("run", str(spec), *flags)
+        assert result.exit_code == 0, result.output
+        runs[name] = study_report(optuna.load_study(study_name=name, storage=storage))
+    single, sliced = runs["single"], runs["slice"]
+    assert sliced.device["processes"] == 1
+    assert [(t.plan.digest, t.status, t.measurement.peak_bytes) for t in sliced.trials] == \
+        [(t.plan.digest, t.status, t.measurement.peak_bytes) for t in single.trials]
+    assert all(len(t.measurement.slice_peaks) == 1 for t in sliced.trials)
+    assert all(t.measurement.time_source == "measured" for t in sliced.trials)
