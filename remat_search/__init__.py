@@ -4,6 +4,8 @@ The public API::
 
     spec = remat_search.load_spec("search_spaces/demo.yaml")
     report = remat_search.run(spec)                       # search (resumes if interrupted)
+    member = remat_search.member_of("host0:8476", 4, i)    # on a slice: process 0 runs(spec, member=member),
+    remat_search.follow(spec, member)                     # the others follow it (docs/slice.md)
     remat_search.submit(spec)                             # or store it for workers: remat_search.work(url)
     front = remat_search.pareto_front("demo-transformer-cpu")
     best = remat_search.best_plan("demo-transformer-cpu", "200MiB")
@@ -22,11 +24,13 @@ if TYPE_CHECKING:
         NoFeasiblePlan,
         RematSearchError,
         RunError,
+        SliceLost,
         SpecError,
         StorageError,
         WorkloadError,
     )
     from remat_search.measure.measurement import Measurement, MemoryBreakdown
+    from remat_search.measure.slice import SliceMember, member_of
     from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
     from remat_search.plans.policy import (
         POLICIES,
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from remat_search.search.confirm import Comparison, compare_times, confirm_study
     from remat_search.search.cost_model import CostModel, fit_cost_model
     from remat_search.search.loop import run
+    from remat_search.search.slice import follow
     from remat_search.search.solver import solve_front
     from remat_search.search.submission import Submitted, submit
     from remat_search.service.worker import work
@@ -55,7 +60,9 @@ if TYPE_CHECKING:
 
 _API: dict[str, str] = {
     **dict.fromkeys(('Comparison', 'compare_times', 'confirm_study'), "remat_search.search.confirm"),
-    **dict.fromkeys(('CandidateRefused', 'NoFeasiblePlan', 'RematSearchError', 'RunError', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
+    **dict.fromkeys(('CandidateRefused', 'NoFeasiblePlan', 'RematSearchError', 'RunError', 'SliceLost', 'SpecError', 'StorageError', 'WorkloadError'), "remat_search.errors"),
+    **dict.fromkeys(('SliceMember', 'member_of'), "remat_search.measure.slice"),
+    **dict.fromkeys(('follow',), "remat_search.search.slice"),
     **dict.fromkeys(('compiler_options',), "remat_search.targets.platform"),
     **dict.fromkeys(('Calibration', 'Sample', 'calibrate', 'load_calibration', 'load_samples'), "remat_search.targets.calibration"),
     **dict.fromkeys(('Efficiencies', 'StepEstimate'), "remat_search.targets.step_time"),
@@ -97,6 +104,8 @@ __all__ = [
     "RunError",
     "Sample",
     "SearchSpec",
+    "SliceLost",
+    "SliceMember",
     "SpecError",
     "StepEstimate",
     "StorageError",
@@ -115,11 +124,13 @@ __all__ = [
     "compiler_options",
     "confirm_study",
     "fit_cost_model",
+    "follow",
     "list_studies",
     "load_calibration",
     "load_report",
     "load_samples",
     "load_spec",
+    "member_of",
     "pareto_front",
     "parse_bytes",
     "plan_for_budget",
