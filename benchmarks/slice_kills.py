@@ -49,6 +49,8 @@ def kills(folder: Path, *, kills: int, trials: int, seed: int) -> dict:
     codes = {code: seen["exits"].count(code) for code in sorted(set(seen["exits"]))}
     print(f"| 2 | {seen['kills']} | {seen['runs']} | {codes} | {seen['stragglers']} | {seen['finished']} / {trials} "
           f"| {seen['running']} | {len(seen['lost'])} | {len(seen['orphans'])} | {seen['seconds']:.0f} s |")
+    for said in seen["odd"]:
+        print(f"\nA process that was not killed exited other than 0 or 42: {said}")
     return seen
 
 
@@ -137,7 +139,7 @@ def main() -> None:
         restarts(Path(folder), seen)
         step_times(Path(folder))
     assert seen["kills"] >= args.kills and not seen["lost"] and seen["running"] == 0, seen
-    assert set(seen["exits"]) <= {0, SLICE_RESTART_EXIT}, seen["exits"]
+    assert set(seen["exits"]) <= {0, SLICE_RESTART_EXIT}, seen["odd"]
     print(f"\n{time.monotonic() - started:.0f} s in all")
 
 

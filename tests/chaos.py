@@ -212,16 +212,18 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
 
 def slice_processes(
     specs: list[Path], *, port: int, devices: int, env: dict[str, str] | None = None, quiet: bool = False,
+    logs: list[Any] | None = None,
 ) -> list[subprocess.Popen[str]]:
     """One ``remat-search run`` a process of a slice on this host, as a launcher starts them
     (``specs[i]`` for process i), each with ``devices`` CPU devices of its own, joined at
-    127.0.0.1:``port``."""
+    127.0.0.1:``port``; their output piped, or (``quiet``) dropped, or written to ``logs[i]``."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     return [
         run_process(
             "run", str(spec), "--coordinator", f"127.0.0.1:{port}", "--processes", str(len(specs)),
             "--process-id", str(i), env={"XLA_FLAGS": flags, **(env or {})},
-            **({"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if quiet else {}),
+            **({"stdout": logs[i], "stderr": subprocess.STDOUT} if logs else
+               {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if quiet else {}),
         )
         for i, spec in enumerate(specs)
     ]
@@ -278,9 +280,13 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     killed = runs = stragglers = 0
     final: list[int | None] = []
     restart_seconds: list[float] = []
+    odd: list[str] = []  # what a process that exited other than 0 or 42 (and was not killed) said
     while True:
+        # A launcher starts the job again in fresh containers: the killed processes' workers are gone.
+        _orphans(workers_seen)
         launched, asked_before = time.monotonic(), _asked(folder / "slice.db")
-        procs = slice_processes([spec] * processes, port=port, devices=2, quiet=True)
+        logs = [(folder / f"run{runs}-{i}.log").open("w") for i in range(processes)]
+        procs = slice_processes([spec] * processes, port=port, devices=2, quiet=True, logs=logs)
         runs += 1
         deadline = time.monotonic() + rng.uniform(2.0, 12.0)
         last_run = killed >= kills
@@ -307,6 +313,11 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
             p.wait()
         codes = [p.returncode for p in procs]
         exits.extend(c for c in codes if c != -signal.SIGKILL)
+        for log, code in zip(logs, codes, strict=True):
+            log.close()
+            if code not in (0, 42, -signal.SIGKILL):
+                said = [line for line in Path(log.name).read_text().splitlines() if line.startswith("error:")]
+                odd.append(f"exit {code}: {said[-1] if said else Path(log.name).read_text()[-500:]}")
         seen.update(_complete(storage))
         if all(c == 0 for c in codes):
             final = codes
@@ -318,7 +329,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
     return {
         "kills": killed, "runs": runs, "exits": exits, "stragglers": stragglers, "final": final,
-        "restart_seconds": restart_seconds,
+        "restart_seconds": restart_seconds, "odd": odd,
         "seconds": time.monotonic() - started,
         "finished": sum(counts(t) for t in trials_now),
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),

@@ -27,9 +27,10 @@ class Ready:
 @dataclass(frozen=True)
 class StartFailed:
     """Worker → runner: the worker could not build its workload or target, and why (one line):
-    the spec's fault (``spec``), the target's compiler (``run``), or anything else (``other``)."""
+    the spec's fault (``spec``), the target's compiler (``run``), joining its slice's JAX job
+    (``slice``: a process of the slice is gone), or anything else (``other``)."""
 
-    kind: Literal["spec", "run", "other"]
+    kind: Literal["spec", "run", "slice", "other"]
     reason: str
 
 

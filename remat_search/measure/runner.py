@@ -39,7 +39,7 @@ from typing import Self
 
 import psutil
 
-from remat_search.errors import RematSearchError, RunError, SpecError, WorkloadError
+from remat_search.errors import RematSearchError, RunError, SliceLost, SpecError, WorkloadError
 from remat_search.measure import protocol
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.executables import Known
@@ -213,6 +213,8 @@ class Runner:
                 raise SpecError(said.reason)
             if said.kind == "run":
                 raise RunError(said.reason)
+            if said.kind == "slice":
+                raise SliceLost(said.reason)
             raise WorkloadError(f"workload: the worker could not build it ({said.reason})")
         self._info = DeviceInfo.model_validate_json(said.info)
 

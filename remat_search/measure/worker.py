@@ -76,7 +76,11 @@ def serve(
         # JAX's persistent cache: a plan compiled before loads in a moment. Not for a TPU topology:
         # libtpu writes its entries there but cannot read them back without a TPU client.
         if member is not None:
-            join(*member)
+            try:
+                join(*member)
+            except Exception as e:  # noqa: BLE001 - another process is gone, or never came
+                conn.send(protocol.StartFailed("slice", f"slice: this worker could not join the others: {_failure(e)}"))
+                return
         if compilation_cache and target_config == "local":
             jax.config.update("jax_compilation_cache_dir", compilation_cache)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -260,7 +260,7 @@ class SliceRunner:
                 replies = [channel.recv() for channel in self._channels]
             for i, reply in enumerate(replies, start=1):
                 if isinstance(reply, protocol.StartFailed):
-                    error = {"spec": SpecError, "run": RunError}.get(reply.kind, WorkloadError)
+                    error = {"spec": SpecError, "run": RunError, "slice": SliceLost}.get(reply.kind, WorkloadError)
                     raise error(f"{reply.reason} (process {i}, {self.hosts[i]})")
             self._info = info
         return self._info
@@ -418,6 +418,8 @@ def _answer(runner: Runner, request: Any) -> Any:
             return protocol.StartFailed("spec", str(e))
         except RunError as e:
             return protocol.StartFailed("run", str(e))
+        except SliceLost as e:
+            return protocol.StartFailed("slice", str(e))
         except RematSearchError as e:
             return protocol.StartFailed("other", str(e))
     if isinstance(request, Restart):
@@ -428,6 +430,8 @@ def _answer(runner: Runner, request: Any) -> Any:
         try:
             m = runner.measure(plan, budget=request.budget, timing=request.timing,
                                gradient_tolerance=request.gradient_tolerance)
+        except SliceLost:  # its worker could not join the others: the slice is lost, not the plan
+            raise
         except RematSearchError as e:  # its worker could not start again
             return protocol.Failed(str(e))
         return protocol.Done(m.model_dump_json())
@@ -435,6 +439,8 @@ def _answer(runner: Runner, request: Any) -> Any:
         try:
             times = runner.retime([RematPlan.model_validate_json(p) for p in request.plans], warmup=request.warmup,
                                   rounds=request.rounds, budget=request.budget)
+        except SliceLost:
+            raise
         except RematSearchError as e:
             return protocol.Failed(str(e))
         return protocol.Done(json.dumps(times))
