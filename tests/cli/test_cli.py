@@ -98,7 +98,7 @@ MISSPELLED_KEYS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
      "spec.timing.repeat: unknown key; did you mean 'repeats'? (and 1 more)"),
     ("colour", lambda spec: spec.update(colour="red"), (
         "spec.colour: unknown key; expected one of: study, storage, workload, space, budget, trials, target, mesh, configuration, "
-        "sampler, timing, worker_memory, gradient_tolerance, confirm, prescreen, workers, heartbeat, compilation_cache")),
+        "sampler, timing, worker_memory, gradient_tolerance, confirm, prescreen, workers, heartbeat, slice, compilation_cache")),
 ]
 
 

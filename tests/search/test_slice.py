@@ -95,16 +95,19 @@ def test_a_plan_one_process_cannot_compile_fails_on_all_and_the_search_goes_on(t
     assert len(report.trials) == 3  # and the search went on to its trial count
 
 
-def test_a_process_whose_spec_differs_is_refused_before_any_compile(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_process_whose_spec_differs_is_refused_before_any_compile(tmp_path: Path, processes: int) -> None:
+    """The last process's spec has another layer count: every process exits 2 with the same line."""
     storage = f"sqlite:///{tmp_path / 'slice.db'}"
     ours = write_spec(tmp_path / "ours.yaml", spec_dict(storage, study="differs", **COMMON))
     theirs = write_spec(tmp_path / "theirs.yaml", spec_dict(
         storage, study="differs", **{**COMMON, "workload": {**WORKLOAD, "layers": 3}},
     ))
-    procs = slice_processes([ours, theirs], port=slice_port(), devices=2)
+    procs = slice_processes([ours] * (processes - 1) + [theirs], port=slice_port(), devices=4 // processes)
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], logs
-    line = f"process 1 on host {os.uname().nodename} differs: spec.workload.layers is 3 there, 2 on the leader"
+    assert [p.returncode for p in procs] == [2] * processes, logs
+    last = processes - 1
+    line = f"process {last} on host {os.uname().nodename} differs: spec.workload.layers is 3 there, 2 on the leader"
     for log in logs:
         errors = [text for text in log.splitlines() if text.startswith("error:")]
         assert errors == [f"error: slice: {line}"], log
@@ -112,10 +115,13 @@ def test_a_process_whose_spec_differs_is_refused_before_any_compile(tmp_path: Pa
     assert "Gloo" not in "".join(logs)  # no worker joined: nothing compiled
 
 
-def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_and_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [2, 4])
+def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_and_loses_nothing(
+    tmp_path: Path, processes: int
+) -> None:
     """The short version of ``benchmarks/slice_kills.py``."""
-    seen = chaos_slice(tmp_path, kills=2, trials=5, processes=2, seed=1)
-    assert seen["kills"] == 2 and seen["final"] == [0, 0]
+    seen = chaos_slice(tmp_path, kills=2, trials=5, processes=processes, seed=1)
+    assert seen["kills"] == 2 and seen["final"] == [0] * processes
     assert seen["exits"] and all(code in (0, SLICE_RESTART_EXIT) for code in seen["exits"]), seen["odd"]
     assert SLICE_RESTART_EXIT in seen["exits"]
     assert seen["stragglers"] == 0 and not seen["orphans"]

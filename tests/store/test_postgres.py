@@ -89,8 +89,16 @@ def test_two_searches_at_once_share_one_study_on_postgresql(tmp_path: Path, post
         if REUSED_ATTR not in t.user_attrs and CACHED_ATTR not in t.user_attrs and t.state == TrialState.COMPLETE
     ]
     assert len(measured) == len(set(measured)), measured
-    cached = _query(postgres_url, "SELECT plan FROM remat_search_measurements")
-    assert sorted(plan for (plan,) in cached) == sorted(measured)
+    # Each measurement in the cache was made by a complete trial of this study, of that plan,
+    # and each plan once. (A trial both searches popped from the queue at once may carry the
+    # reuse mark of the search that waited for it, while the other measured it: its plan is in
+    # the cache, measured by that trial, though the trial is not among `measured`.)
+    cached = _query(postgres_url, "SELECT plan, study, trial FROM remat_search_measurements")
+    trials_by_number = {t.number: t for t in study.trials}
+    assert all(s == "pg-shared" and trials_by_number[n].state == TrialState.COMPLETE
+               and _digest(trials_by_number[n]) == plan for plan, s, n in cached), cached
+    assert len({plan for plan, _, _ in cached}) == len(cached)
+    assert set(measured) <= {plan for plan, _, _ in cached}
 
 
 def test_a_database_that_does_not_exist_is_one_line_and_exit_2(tmp_path: Path, postgres_server: str, cli: Any) -> None:
