@@ -11,7 +11,7 @@ hosts of a slice (2 CPU devices each, one mesh over all, gloo over loopback).
    processes with the same 4 devices, side by side. On CPU the slice's collectives cross
    loopback between processes: the ratios say what that costs here, not what a chip does.
 
-    python benchmarks/slice_kills.py [--kills 10] [--trials 16] [--seed 0]
+    python benchmarks/slice_kills.py [--kills 10] [--trials 16] [--seed 0] [--processes 2]
 
 Prints Markdown tables.
 """
@@ -41,13 +41,13 @@ WORKLOAD = {"kind": "mlp", "layers": 4, "width": 64, "hidden": 512, "batch": 64}
 PLANS = {"layout": "uniform", "choices": ["none", "full", "dots", "dots_no_batch"]}
 
 
-def kills(folder: Path, *, kills: int, trials: int, seed: int) -> dict:
-    seen = chaos_slice(folder, kills=kills, trials=trials, processes=2, seed=seed)
+def kills(folder: Path, *, kills: int, trials: int, seed: int, processes: int) -> dict:
+    seen = chaos_slice(folder, kills=kills, trials=trials, processes=processes, seed=seed)
     print("| processes | kills (SIGKILL of a random process) | slice starts | survivors' exits | stopped by the launcher "
           "| finished / spec | left running | complete lost or changed | orphan workers | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     codes = {code: seen["exits"].count(code) for code in sorted(set(seen["exits"]))}
-    print(f"| 2 | {seen['kills']} | {seen['runs']} | {codes} | {seen['stragglers']} | {seen['finished']} / {trials} "
+    print(f"| {processes} | {seen['kills']} | {seen['runs']} | {codes} | {seen['stragglers']} | {seen['finished']} / {trials} "
           f"| {seen['running']} | {len(seen['lost'])} | {len(seen['orphans'])} | {seen['seconds']:.0f} s |")
     for said in seen["odd"]:
         print(f"\nA process that was not killed exited other than 0 or 42: {said}")
@@ -131,11 +131,12 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=2, help="processes of the slice killed (2 CPU devices each)")
     args = parser.parse_args()
     os.environ.setdefault("REMAT_SEARCH_HOME", tempfile.mkdtemp(prefix="remat-search-home-"))
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        seen = kills(Path(folder), kills=args.kills, trials=args.trials, seed=args.seed)
+        seen = kills(Path(folder), kills=args.kills, trials=args.trials, seed=args.seed, processes=args.processes)
         restarts(Path(folder), seen)
         step_times(Path(folder))
     assert seen["kills"] >= args.kills and not seen["lost"] and seen["running"] == 0, seen
