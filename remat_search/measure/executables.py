@@ -95,8 +95,6 @@ class Executables:
     a timeout) starts empty.
     """
 
-    peaks: list[int] = []
-    """On a slice, every process's peak of the plan last built (:func:`_agreed_build`)."""
     reference_from: str | None = None
     """Where the reference came from: ``computed`` (full remat's first step ran here) or
     ``loaded`` (from the ``reference_store``); None before it was needed."""
@@ -299,7 +297,7 @@ def _observe(
     known: Known | None = None,
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
-    build = _agreed_build(executables, plan)
+    build, slice_peak = _agreed_build(executables, plan)
     compiled_at = (build.started, build.started + build.seconds)
     if build.oom is not None:
         required, temp, available = build.oom
@@ -318,7 +316,7 @@ def _observe(
             time_source="estimated", estimated_seconds=build.estimate.seconds if build.estimate else None,
             estimate=build.estimate, **seen,
         )
-    if _slice_peak(executables, build) > budget:
+    if max(build.memory.peak, slice_peak or 0) > budget:
         return RawMeasurement(**seen)
     found = known(build.program) if known is not None and build.program else None
     if found is not None and found.memory == build.memory and found.program_digest == build.program:
@@ -330,27 +328,20 @@ def _observe(
         return raw.model_copy(update={"ran_at": (started, time.time())})
 
 
-def _agreed_build(executables: Executables, plan: RematPlan) -> Build:
-    """``executables.build(plan)``; on a slice, then agreed by every process (see
-    :class:`~remat_search.measure.slice.Agreement`): one that raised, or compiled another plan,
-    fails it on all before any runs. Each process's peak is kept for :func:`_slice_peak`."""
+def _agreed_build(executables: Executables, plan: RematPlan) -> tuple[Build, int | None]:
+    """``executables.build(plan)``, and on a slice the largest peak of every process's, agreed
+    by all of them (see :class:`~remat_search.measure.slice.Agreement`: one that raised, or
+    compiled another plan, fails it on all before any runs), so that all decide alike whether it
+    runs; None on one host."""
     if executables.agree is None:
-        return executables.build(plan)
+        return executables.build(plan), None
     try:
         build = executables.build(plan)
     except Exception as e:
         executables.agree({"plan": plan.digest, "failed": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
         raise
     peak = build.memory.peak if build.memory is not None else (build.oom[0] if build.oom else 0)
-    executables.peaks = [said["peak"] for said in executables.agree.check({"plan": plan.digest, "peak": peak})]
-    return build
-
-
-def _slice_peak(executables: Executables, build: Build) -> int:
-    """The peak a plan is judged by: on a slice the largest of every process's, so that every
-    process decides alike whether it runs."""
-    assert build.memory is not None
-    return max(build.memory.peak, *executables.peaks) if executables.agree is not None else build.memory.peak
+    return build, max(said["peak"] for said in executables.agree.check({"plan": plan.digest, "peak": peak}))
 
 
 def _run(

@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 import remat_search
 from remat_search.errors import SLICE_RESTART_EXIT
 from remat_search.report.results import study_report
+from remat_search.search.slice import comparable, first_difference
 from remat_search.spec.loading import parse_spec
 
 from tests.chaos import chaos_slice, slice_port, slice_processes
@@ -214,3 +215,23 @@ def test_a_slice_of_one_process_answers_as_the_single_host_path(tmp_path: Path, 
         [(t.plan.digest, t.status, t.measurement.peak_bytes) for t in single.trials]
     assert all(len(t.measurement.slice_peaks) == 1 for t in sliced.trials)
     assert all(t.measurement.time_source == "measured" for t in sliced.trials)
+
+
+def test_a_bad_slice_setting_or_variable_is_one_line_and_exit_2(tmp_path: Path, cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = f"sqlite:///{tmp_path / 'slice.db'}"
+    bad = write_spec(tmp_path / "bad.yaml", spec_dict(storage, **{**COMMON, "slice": {"heartbeat_timeout": "soon"}}))
+    result = cli("run", str(bad))
+    assert result.exit_code == 2 and result.stderr.startswith("error: spec.slice.heartbeat_timeout: ")
+    assert result.stderr.count("\n") == 1
+    spec = write_spec(tmp_path / "slice.yaml", spec_dict(storage, **COMMON))
+    monkeypatch.setenv("REMAT_SEARCH_PROCESSES", "two")
+    result = cli("run", str(spec))
+    assert result.exit_code == 2 and result.stderr == "error: --processes: $REMAT_SEARCH_PROCESSES must be a whole number, got 'two'\n"
+    assert not (tmp_path / "slice.db").exists()
+
+
+def test_hosts_may_differ_in_storage_and_workers_only() -> None:
+    ours = parse_spec(spec_dict("sqlite:///a.db", **COMMON))
+    assert first_difference(comparable(ours), comparable(parse_spec(spec_dict("sqlite:///b.db", workers=2, **COMMON)))) is None
+    other = comparable(parse_spec(spec_dict("sqlite:///a.db", **{**COMMON, "slice": {**SLICE, "join_timeout": "5s"}})))
+    assert first_difference(comparable(ours), other) == "spec.slice.join_timeout is 5.0 there, 120.0 on the leader"
