@@ -206,6 +206,8 @@ class Runner:
         except EOFError:
             reason = self._death_reason()
             self.close()
+            if self._member is not None:  # JAX aborts a worker whose slice lost a process as it joined
+                raise SliceLost(f"slice: the worker died as it started with the others ({reason})") from None
             raise WorkloadError(f"workload: the worker could not start ({reason})") from None
         if isinstance(said, protocol.StartFailed):
             self.close()

@@ -244,8 +244,8 @@ class SliceRunner:
     def __enter__(self) -> SliceRunner:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(ended=kind is None)
 
     def describe(self) -> DeviceInfo:
         """Start every process's worker (they join one JAX job) and return what they run on."""
@@ -318,13 +318,17 @@ class SliceRunner:
     def kill(self) -> None:
         self._local.kill()
 
-    def close(self) -> None:
-        """End the slice: every process exits 0 (a lost one is past telling)."""
+    def close(self, *, ended: bool = True) -> None:
+        """Stop the slice. ``ended``: the search is over, and every process exits 0 (a lost one
+        is past telling); else the leader stops on an error, and the others, finding it gone,
+        exit 42: none may count as done while the study is not (an Indexed Job would not start
+        a process that exited 0 again)."""
         for channel in self._channels:
-            try:
-                channel.send(End())
-            except SliceLost:
-                pass
+            if ended:
+                try:
+                    channel.send(End())
+                except SliceLost:
+                    pass
             channel.close()
         self._local.close()
 
