@@ -98,19 +98,21 @@ MESSAGES: dict[str, type] = {kind.__name__: kind for kind in (
 )}
 """What the channel carries, by name: as JSON, never pickles (anyone who reaches the port could
 make a pickle run code here)."""
+_ADAPTERS = {name: TypeAdapter(kind) for name, kind in MESSAGES.items()}
+"""Each message kind's JSON form, built once (a heartbeat goes every few seconds each way)."""
 
 
 def encode(message: Any) -> bytes:
     """``message`` (one of :data:`MESSAGES`) as JSON."""
     kind = type(message).__name__
-    return json.dumps({"kind": kind, "fields": TypeAdapter(MESSAGES[kind]).dump_python(message, mode="json")}).encode()
+    return json.dumps({"kind": kind, "fields": _ADAPTERS[kind].dump_python(message, mode="json")}).encode()
 
 
 def decode(data: bytes) -> Any:
     """A message from its JSON; ``ValueError`` for anything that is not one."""
     try:
         said = json.loads(data)
-        return TypeAdapter(MESSAGES[said["kind"]]).validate_python(said["fields"])
+        return _ADAPTERS[said["kind"]].validate_python(said["fields"])
     except (KeyError, TypeError, ValueError, ValidationError) as e:
         raise ValueError(f"not a message of remat-search ({type(e).__name__})") from None
 
