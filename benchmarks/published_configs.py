@@ -100,6 +100,10 @@ HOST_OFFLOAD = (
 V6E_8B_FLAGS = " ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, SPARSECORE_ALL_REDUCE,
                          HOST_OFFLOAD])
 V6E_70B_FLAGS = " ".join([DENSE_VMEM_LIMIT, SPARSECORE_ALL_REDUCE])
+DISABLE_COLLECTIVE_MATMUL = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
+V6E_8B_NO_CM_FLAGS = f"{V6E_8B_FLAGS} {DISABLE_COLLECTIVE_MATMUL}"
+V6E_LLAMA31_70B_FLAGS = " ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTER, DATA_PARALLEL_OVERLAP, HOST_OFFLOAD])
+V6E_GPT3_FLAGS = " ".join([DENSE_VMEM_LIMIT, DATA_PARALLEL_OVERLAP, "--xla_tpu_use_bundle_aware_cost_model_for_fusions=false"])
 """The v6e recipes' flags but :data:`CF_FOR_ALL_GATHER`: libtpu 0.0.50 refuses its continuation fusion
 for all-gathers on a v6e ("not supported/recommended on platforms other than TPU v5e"), which 0.0.42
 compiled (the look-alike's page)."""
@@ -109,6 +113,11 @@ SAVE_QKV = {"label": "save_qkv_proj", "names": QKV}
 QKV_OFFLOADED = {"label": "qkv_proj_offloaded", "offload": QKV}
 OFFLOAD_QKVO = {"label": "custom_offload", "offload": ["decoder_layer_input", *QKV, "out_proj"]}
 OFFLOAD_INPUT = {"label": "offload_input", "offload": ["decoder_layer_input"]}
+OFFLOAD_INPUT_QKV = {"label": "offload_input_qkv", "offload": ["decoder_layer_input", *QKV]}
+SPLASH_2048 = {**{f"sa_block_{b}": 2048 for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")},
+               "sa_use_fused_bwd_kernel": True}
+"""The splash-attention blocks of the v6e recipes of Llama 3.1 and Mistral (2048 throughout, fused backward)."""
+RECIPES = "AI-Hypercomputer/tpu-recipes (c8cfe2f): training/trillium/"
 
 
 @dataclass(frozen=True)
@@ -174,8 +183,7 @@ RUNS = [
     Run("v5p-128b", "v5p:4x4x8", gps(128), 2, 2048, {"fsdp": 16, "tensor": 8}, [MINIMAL, FULL, SAVE_QKV, QKV_OFFLOADED],
         "315 TFLOP/s per chip, 68.68% MFU", "MaxText 76bd53b0f: MaxText/configs/v5p/README.md (1x v5p-256), v5p/128b.sh",
         V5P_FLAGS, tflops=315.0, mfu=0.6868, convention="6N-causal", meshes=[{"fsdp": 32, "tensor": 4}]),
-    Run("v6e-llama3.1-8b", "v6e:16x16", {"model_name": "llama3.1-8b", **{f"sa_block_{b}": 2048 for b in (
-        "q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")}, "sa_use_fused_bwd_kernel": True},
+    Run("v6e-llama3.1-8b", "v6e:16x16", {"model_name": "llama3.1-8b", **SPLASH_2048},
         4, 8192, {"fsdp": 256}, [OFFLOAD_QKVO, OFFLOAD_INPUT],
         "4.546 s a step, 7,207 tokens/s per chip", "MaxText tpu-recipes-v0.1.4 (9f1820b4): "
         "benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192", V6E_8B_FLAGS, step_seconds=4.546, trials=3),
@@ -184,9 +192,39 @@ RUNS = [
         "9.052 s a step, 905 tokens/s per chip", "MaxText 140addcb: benchmarks/maxtext_trillium_model_configs.py "
         "llama2_70b_4096_sc", V6E_70B_FLAGS, step_seconds=9.052, meshes=[{"fsdp": 256}],
         settings={"optimizer_memory_host_offload": [False, True]}, trials=3),
+    # Every other single-slice dense-model run of the v6e recipes with a logged step (tpu-recipes'
+    # READMEs, each run's settings from MaxText's maxtext_trillium_model_configs.py at the tag the
+    # README names): the fidelity and the calibration's samples, one trial each (no search).
+    *[Run(f"v6e-llama3.1-8b-x{chips}", topology, {"model_name": "llama3.1-8b", **SPLASH_2048}, batch_, 8192,
+          {"fsdp": chips}, [OFFLOAD_QKVO], f"{seconds} s a step", f"{RECIPES}Llama3.1-8B-MaxText/v6e-{chips}/README.md; "
+          f"MaxText tpu-recipes-v0.1.4: {config}", flags, step_seconds=seconds, trials=1)
+      for chips, topology, batch_, seconds, config, flags in [
+          (8, "v6e:2x4", 3, 3.443, "llama3_1_8b_8192_no_collective_matmul", V6E_8B_NO_CM_FLAGS),
+          (16, "v6e:4x4", 3, 3.393, "llama3_1_8b_8192_no_collective_matmul", V6E_8B_NO_CM_FLAGS),
+          (32, "v6e:4x8", 3, 3.495, "llama3_1_8b_8192_no_collective_matmul", V6E_8B_NO_CM_FLAGS),
+          (64, "v6e:8x8", 5, 5.652, "llama3_1_8b_8192_bs5", V6E_8B_FLAGS),
+          (128, "v6e:8x16", 4, 4.602, "llama3_1_8b_8192", V6E_8B_FLAGS)]],
+    *[Run(f"v6e-llama3.1-70b-x{chips}", topology, {"model_name": "llama3.1-70b", **SPLASH_2048, **extra}, batch_, 8192,
+          {"fsdp": chips}, [OFFLOAD_INPUT_QKV], f"{seconds} s a step", f"{RECIPES}Llama3.1-70B-MaxText/v6e-{chips}/README.md; "
+          f"MaxText tpu-recipes-v0.1.4: {config}", flags, step_seconds=seconds, trials=1)
+      for chips, topology, batch_, seconds, config, flags, extra in [
+          (32, "v6e:4x8", 2, 17.790, "llama3_1_70b_8192_bs2_bfloat16_no_collective_matmul",
+           f"{V6E_LLAMA31_70B_FLAGS} {DISABLE_COLLECTIVE_MATMUL}", {"weight_dtype": "bfloat16"}),
+          (64, "v6e:8x8", 2, 18.688, "llama3_1_70b_8192_bs2", V6E_LLAMA31_70B_FLAGS, {}),
+          (128, "v6e:8x16", 4, 34.786, "llama3_1_70b_8192_bs4", V6E_LLAMA31_70B_FLAGS, {}),
+          (256, "v6e:16x16", 5, 42.656, "llama3_1_70b_8192", V6E_LLAMA31_70B_FLAGS, {})]],
+    Run("v6e-mistral-7b-x8", "v6e:2x4", {"model_name": "mistral-7b", **SPLASH_2048}, 6, 8192, {"fsdp": 8}, [OFFLOAD_QKVO],
+        "6.320 s a step", f"{RECIPES}Mistral-7B-MaxText/README.md; MaxText tpu-recipes-v0.1.2: mistral_7b",
+        V6E_8B_NO_CM_FLAGS, step_seconds=6.320, trials=1),
+    Run("v6e-gpt3-175b", "v6e:16x16", {"model_name": "gpt3-175b", "sa_block_q": 1024, "sa_block_q_dkv": 2048,
+                                       "sa_block_q_dq": 2048}, 3, 2048, {"fsdp": 256}, [FULL],
+        "17.182 s a step", f"{RECIPES}GPT3-175B-MaxText/bf16/README.md; MaxText tpu-recipes-v0.1.2: gpt_3_175b_bf16",
+        V6E_GPT3_FLAGS, step_seconds=17.182, trials=1),
 ]
-"""Eight of MaxText's published runs on three TPU generations, three with a tensor axis (the v5p
-table). Sources are MaxText's repository (github.com/AI-Hypercomputer/maxtext) at the commit named."""
+"""MaxText's published runs on three TPU generations: eight searched (three with a tensor axis,
+the v5p table), and eleven more v6e runs of the recipes, each its published configuration alone
+(fidelity and calibration). Sources are MaxText's repository (github.com/AI-Hypercomputer/maxtext)
+at the commit named, and the tpu-recipes repository for the v6e steps."""
 
 
 def label(choice: Any) -> str:
@@ -235,16 +273,27 @@ def spec(run: Run, storage: str, trials: int) -> dict[str, Any]:
     }
 
 
-def search(run: Run, storage: str, trials: int) -> StudyReport:
+def search(run: Run, storage: str, trials: int, *, keep_programs: bool = False) -> StudyReport:
     """``run``'s study, its workers compiling with the run's ``LIBTPU_INIT_ARGS``."""
     before = os.environ.get("LIBTPU_INIT_ARGS")
     os.environ["LIBTPU_INIT_ARGS"] = run.flags
+    study = spec(run, storage, trials)
+    study["target"]["keep_programs"] = keep_programs
     try:
-        return remat_search.run(parse_spec(spec(run, storage, trials)))
+        return remat_search.run(parse_spec(study))
     finally:
         os.environ.pop("LIBTPU_INIT_ARGS")
         if before is not None:
             os.environ["LIBTPU_INIT_ARGS"] = before
+
+
+def status(trial: TrialResult, report: StudyReport) -> str:
+    """The trial's verdict under today's peak rule: a trial measured before the rule read a
+    TPU compiler's host figure as the device's (``MemoryBreakdown.compiler_peak_is_host``) may
+    be over the HBM by the breakdown sum that stands in for it now."""
+    if trial.status == "measured" and trial.peak_bytes is not None and trial.peak_bytes > report.budget:
+        return "over_budget (sum)"
+    return trial.status
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
@@ -281,14 +330,16 @@ def published_calibration() -> Any:
 
 
 def page(results: list[tuple[Run, StudyReport, float]], command: str, calibration: Any = None) -> str:
-    ratios, looks = {}, lookalike_ratios()
+    ratios, looks, samples_only = {}, lookalike_ratios(), []
     left_out = {s.label: s for s in calibration.samples} if calibration is not None else {}
     fidelity, quality, every = [], [], []
     for run, report, minutes in results:
         pub = published_trial(run, report)
         step = published_step(run)
-        est = pub.seconds if pub is not None else None
-        fits = pub is not None and pub.status == "measured"
+        # Over the HBM in the study (its compiler's peak), the published configuration is estimated all the same.
+        estimate = pub.measurement.estimate if pub is not None and pub.measurement is not None else None
+        est = estimate.seconds if estimate is not None else None
+        fits = pub is not None and status(pub, report) == "measured"
         peak = format_bytes(pub.peak_bytes) if pub is not None and pub.peak_bytes else "—"
         mesh = ",".join(f"{a}={n}" for a, n in run.mesh.items())
         if est is not None:
@@ -300,7 +351,9 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
             + (f"{est:.2f} s | **{est / step:.3f}**" if est is not None else "— | —")
             + (f" | {loo.loo_seconds:.2f} s | **{loo.loo_seconds / step:.3f}**" if loo is not None else " | — | —")
             + f" | {looks.get(run.name, '—')} |")
-        timed = report.timed()
+        if run.trials == 1:  # a fidelity sample: its published configuration alone, nothing searched
+            samples_only.append(run.name)
+        timed = [t for t in report.timed() if status(t, report) == "measured"] if run.trials > 1 else []
         best = min(timed, key=rank) if timed else None
         base = pub.throughput if fits and pub is not None else None
         gain = f"{best.throughput / base - 1:+.1%}" if best is not None and base else "—"
@@ -315,10 +368,11 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
             f"{format_bytes(best.peak_bytes) if best else '—'} | {best.throughput:,.0f} | {gain} | "
             f"×{low:.3f}–{high:.3f} (+{high / low - 1:.1%}) | {'**beaten**' if beyond else 'not beaten' if best.throughput > base else '—'} | "
             f"{calibrated} | {len(report.trials)} ({report.count('infeasible')} infeasible) | {minutes:.0f} min |"
-            if base and best else f"| {run.name} | — | — | — | — | — | — | — | — | {len(report.trials)} | {minutes:.0f} min |")
+            if base and best else f"| {run.name} | — | — | — | — | — | — | — | — | {len(report.trials)} | {minutes:.0f} min |"
+            if run.trials > 1 else "")
         for t in report.trials:
             every.append(f"| {run.name} | {t.number} | {t.summary() if t.plan else '—'} | "
-                         f"{format_bytes(t.peak_bytes) if t.peak_bytes else '—'} | {t.status} | "
+                         f"{format_bytes(t.peak_bytes) if t.peak_bytes else '—'} | {status(t, report)} | "
                          f"{f'{t.seconds:.2f} s' if t.seconds else '—'} | "
                          f"{f'{t.throughput:,.0f}' if t.throughput else '—'} | {(t.error or '')[:90]} |")
     values = sorted(ratios.values())
@@ -332,7 +386,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "flags of the run's script, and the step-time model estimates each candidate (host transfers at 15 GB/s a chip). "
         "Every figure below is an **estimate** of the model. The searches' are uncalibrated (the datasheet's figures); "
         "beside them, each published configuration's estimate **calibrated leave-one-out**: the model's free figures "
-        "fitted (`remat-search calibrate`) on the other seven published runs' programs and steps "
+        f"fitted (`remat-search calibrate`) on the other {len(results) - 1} published runs' programs and steps "
         "(`published_programs/`, `calibration.json`), then priced on this one. "
         "The look-alike decoder's ratios (`published_lookalike.md`, jax 0.10, kept for one release) stand beside them.\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
@@ -353,11 +407,14 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "`targets.chips.PUBLISHED_BANDS`). A configuration is **beaten** only where the best found is faster even at the "
         "slow end of its band against the published configuration at the fast end of its own: a gain above the band's "
         "width (high / low - 1). A gain inside it is not a win. The last verdict reads the same gains against the "
-        "calibration's left-out bands of each side's kind of plan (recompute, offload): wider, from eight runs.\n",
+        f"calibration's left-out bands of each side's kind of plan (recompute, offload), from all {len(results)} runs. "
+        f"Not searched, their published configuration compiled alone (samples of the fidelity and the calibration): "
+        f"{', '.join(samples_only) or 'none'}.\n",
         "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | band (width) | "
         "verdict | verdict at the calibration's bands | trials | wall |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        *quality, "",
+        *(row for row in quality if row), "",
+        *host_peak_lines(results),
         "## Every trial\n",
         "| run | trial | candidate | peak a chip | status | est. step | est. tokens/s per chip | reason |",
         "|---|---|---|---|---|---|---|---|",
@@ -366,6 +423,35 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         *[f"- **{run.name}**: {run.source}; `LIBTPU_INIT_ARGS={run.flags}`" for run, _, _ in results], "",
     ]
     return "\n".join(lines)
+
+
+def host_peak_lines(results: list[tuple[Run, StudyReport, float]]) -> list[str]:
+    """Every compile that offloads: the compiler's peak against the arguments plus the host
+    temporaries, and the breakdown sum (``MemoryBreakdown.compiler_peak_is_host``)."""
+    rows, host = [], 0
+    for run, report, _ in results:
+        for t in report.trials:
+            m = t.measurement.memory if t.measurement is not None else None
+            if m is None or m.host_temp == 0 or m.compiler_peak is None:
+                continue
+            host += m.compiler_peak_is_host
+            rows.append(f"| {run.name} | {t.number} | {t.summary() if t.plan else '—'} | {format_bytes(m.compiler_peak)} | "
+                        f"{m.compiler_peak - m.argument - m.host_temp:,} | {format_bytes(m.host_temp)} | "
+                        f"{format_bytes(m.breakdown_sum)} | {'**host**' if m.compiler_peak_is_host else 'device'} | "
+                        f"{format_bytes(m.peak)} of {format_bytes(report.budget)} |")
+    return [
+        "## Memory: the compiler's peak of a program that offloads\n",
+        f"Of {len(rows)} compiles that put tensors in host memory, **{host}** state a compiler's peak "
+        "(`peak_memory_in_bytes`) equal to their arguments plus their host temporaries, to within a few hundred KB: "
+        "the host's figure, not the device's (the TPU compiler compiled each for the chip's HBM, some at a \"peak\" "
+        "several times it). The study's peak there is the breakdown sum (argument + output − alias + temp + code), "
+        "which is at least the device's. Columns: the compiler's peak; it less arguments and host temporaries, bytes; "
+        "the host temporaries; the breakdown sum; which the compiler's peak is; the study's peak.\n",
+        "| run | trial | candidate | compiler's peak | − (arguments + host temp), B | host temp | breakdown sum | "
+        "compiler's peak is | study's peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows, "",
+    ]
 
 
 def calibrated_lines(calibration: Any, steps: dict[str, float]) -> list[str]:
@@ -377,11 +463,11 @@ def calibrated_lines(calibration: Any, steps: dict[str, float]) -> list[str]:
                       if (b := calibration.band(kind)) is not None)
     return [
         f"Calibrated, left out, over {len(ratios)} runs: min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, "
-        f"max {ratios[-1]:.3f}; within ±15%: **{within} of {len(ratios)}**. Fitted on all eight "
+        f"max {ratios[-1]:.3f}; within ±15%: **{within} of {len(ratios)}**. Fitted on all {len(ratios)} "
         f"({', '.join(calibration.fitted)}): matmuls at {e.matmul:.3f} of peak, HBM at {e.hbm:.3f}, ICI at {e.ici:.3f}, "
         f"host link at {e.host_link:.3f} of the assumed 15 GB/s, {e.launch_seconds * 1e6:.1f} µs an instruction; "
-        f"bands (published / left-out estimate): {bands}. Eight runs on three generations with one set of figures: "
-        "what it says of a ninth run is this spread, not a promise.\n",
+        f"bands (published / left-out estimate): {bands}. {len(ratios)} runs on three generations with one set of "
+        "figures: what it says of another run is this spread, not a promise.\n",
     ]
 
 
@@ -394,7 +480,7 @@ def plot(ratios: dict[str, float], looks: dict[str, str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(ratios)
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.5 * len(names)), 3.6))
     ax.axhspan(0.85, 1.15, color="0.92", label="within ±15%")
     ax.axhline(1.0, color="0.5", lw=0.8)
     x = range(len(names))
@@ -415,9 +501,9 @@ what ``remat-search calibrate`` fits the TPU step-time model on (:func:`keep_pro
 
 
 def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
-    """Compile each run's published configuration (a study of one trial, in a scratch storage
-    home), keep its program as ``folder/<run>.hlo.gz`` and its published step in
-    ``folder/samples.json``: calibration samples (``remat_search.targets.calibration``)."""
+    """Compile each run's published configuration (a study of one trial in :data:`DB`, its
+    artifacts in a scratch storage home), keep its program as ``folder/<run>.hlo.gz`` and its
+    published step in ``folder/samples.json``: calibration samples (``remat_search.targets.calibration``)."""
     import json
     import shutil
     import tempfile
@@ -432,7 +518,7 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
         with tempfile.TemporaryDirectory() as home:
             os.environ["REMAT_SEARCH_HOME"] = home
             try:
-                report = search(run, f"sqlite:///{home}/studies.db", 1)
+                report = search(run, f"sqlite:///{DB}", 1, keep_programs=True)
             finally:
                 os.environ.pop("REMAT_SEARCH_HOME")
             trial = published_trial(run, report)
@@ -447,7 +533,9 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
             "kind": "offload" if offloads else "recompute", "source": run.source,
         }
         index.write_text(json.dumps(sorted(samples.values(), key=lambda s: s["label"]), indent=1) + "\n")
-        print(f"{run.name}: kept, estimated {trial.seconds:.3f} s, published {published_step(run):.3f} s", flush=True)
+        estimate = trial.measurement.estimate  # an over-budget trial is estimated too: its program is a sample
+        print(f"{run.name}: kept ({trial.status}), estimated {estimate.seconds if estimate else float('nan'):.3f} s, "
+              f"published {published_step(run):.3f} s", flush=True)
 
 
 def main() -> None:
@@ -481,8 +569,8 @@ def main() -> None:
         print(f"{run.name}: {len(report.trials)} trials, {(time.monotonic() - start) / 60:.1f} min", flush=True)
     command = "python benchmarks/published_configs.py" + (f" --trials {args.trials}" if args.trials else "")
     PAGE.write_text(page(results, command, published_calibration()))
-    ratios = {run.name: t.seconds / published_step(run) for run, report, _ in results
-              if (t := published_trial(run, report)) is not None and t.seconds}
+    ratios = {run.name: t.measurement.estimate.seconds / published_step(run) for run, report, _ in results
+              if (t := published_trial(run, report)) is not None and t.measurement and t.measurement.estimate}
     if ratios:
         plot(ratios, lookalike_ratios(), PAGE.with_suffix(".png"))
     print(f"wrote {PAGE}")

@@ -106,8 +106,8 @@ class Executables:
         """``configuration``: the one the workload and mesh were built for (its plans carry
         it), where the study searches configurations; the anchor and reference run at it.
         ``programs``: a folder where each compiled program's text is kept (:func:`keep_program`)
-        where plans run and are timed, for a calibration of the step-time model to read later
-        (a compile-only target's programs are only estimated: not kept); None: not kept.
+        where the target keeps them (``Target.keeps_programs``: where plans run and are timed,
+        or the spec asks), for a calibration of the step-time model to read later; None: not kept.
         ``agree``: on a slice, how the processes agree on each compile before any runs
         (:class:`~remat_search.measure.slice.Agreement`); None on one host."""
         self.workload, self.mesh, self.capacity, self.programs = workload, mesh, capacity, programs
@@ -201,7 +201,7 @@ class Executables:
             return Build(None, time.perf_counter() - start, started, oom=(peak, oom.temp, oom.available))
         text, cost = compiled.as_text(), program_cost(compiled)
         digest = program_digest(text)
-        if self.programs is not None and digest is not None and self.target.executes:  # timed: a calibration's sample
+        if self.programs is not None and digest is not None and self.target.keeps_programs:  # a calibration's sample
             keep_program(self.programs, digest, text)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,

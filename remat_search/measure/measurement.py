@@ -53,6 +53,11 @@ Verdict = Literal["measured", "over_budget", "failed", "infeasible"]
 so it was never compiled; :attr:`Measurement.error` says why."""
 
 
+HOST_PEAK_SLACK = 2**20
+"""How far above the arguments plus the host temporaries a TPU compiler's peak may be and still
+be read as the host's (:attr:`MemoryBreakdown.compiler_peak_is_host`): 31–205 KB in every case seen."""
+
+
 class MemoryBreakdown(BaseModel):
     """The compiler's memory figures for one executable, in bytes (device, then host)."""
 
@@ -113,6 +118,16 @@ class MemoryBreakdown(BaseModel):
         bad = [f for f, v in fields.items() if v <= 0] + [f for f, v in negative.items() if v < 0]
         return tuple(bad) + (("peak",) if self.compiler_peak is not None and self.compiler_peak <= 0 else ())
 
+    @property
+    def compiler_peak_is_host(self) -> bool:
+        """Whether the compiler's peak reads as the arguments plus the host temporaries (to
+        within :data:`HOST_PEAK_SLACK`), not the device's: libtpu states so for programs that
+        offload much, e.g. 115.6 GiB for a Llama 3.1 70B step it compiled for a 31.25 GiB v6e
+        (arguments 3.1 GiB + host temporaries 112.5 GiB + 37.6 KB), on v5e, v5p and v6e alike
+        (``benchmarks/results/published_configs.md``, "Memory")."""
+        return (self.host_temp > 0 and self.compiler_peak is not None
+                and 0 <= self.compiler_peak - (self.argument + self.host_temp) < HOST_PEAK_SLACK)
+
     @computed_field  # type: ignore[prop-decorator]
     @property
     def peak(self) -> int:
@@ -122,7 +137,8 @@ class MemoryBreakdown(BaseModel):
         (``benchmarks/tpu_peak_rule.py``: at every batch it fitted, the compiler's peak was
         within the chip's HBM, where the breakdown sum was over it at some), and it stands
         where the breakdown's temp reads 0; the breakdown sum where the compiler's peak
-        itself is unreported (0 or negative). Elsewhere the larger of the breakdown sum and
+        itself is unreported (0 or negative) or is the host's (:attr:`compiler_peak_is_host`:
+        the device's own is not stated, and the sum is at least it). Elsewhere the larger of the breakdown sum and
         the compiler's peak (CPU: the breakdown sum, matched to the byte; the compiler's peak
         is not kept)."""
         return self.compiler_peak if self.peak_source == "compiler_peak" and self.compiler_peak else self.breakdown_sum
@@ -133,7 +149,7 @@ class MemoryBreakdown(BaseModel):
         """Which figure :attr:`peak` is (see there)."""
         read = self.compiler_peak is not None and self.compiler_peak > 0
         if self.platform is not None and is_tpu(self.platform):
-            return "compiler_peak" if read else "breakdown_sum"
+            return "compiler_peak" if read and not self.compiler_peak_is_host else "breakdown_sum"
         return "compiler_peak" if read and (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
 
 

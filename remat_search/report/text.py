@@ -304,6 +304,9 @@ def describe_trial(t: TrialResult, device: dict[str, Any] | None = None) -> str:
         )
         if mem.unreported:
             lines.append(_unreported_line(mem))
+        if mem.compiler_peak_is_host:
+            lines.append("  the compiler's peak is its arguments plus its host temporaries (libtpu's figure of a program "
+                         "that offloads): the device's own peak is not stated, so the peak is the breakdown sum, at least it")
         if mem.host_total or mem.host_temp:
             lines.append(
                 f"  host memory, from the compiler: {format_bytes(mem.host_total)}: argument "

@@ -216,6 +216,11 @@ class TpuTarget(Frozen):
     this chip's measured steps): every candidate's step is estimated with its figures and
     carries its error band. None: the datasheet's figures, the band the published runs of this
     generation showed (``targets.chips.PUBLISHED_BANDS``)."""
+    keep_programs: bool = False
+    """Keep each compiled program in the study's artifacts (gzipped, once per distinct program),
+    as a study that times its plans does: a program whose step you measured elsewhere (a run
+    on the chips, a published step) is a calibration sample (``remat-search calibrate
+    SAMPLES.json``). False: an estimated program is not kept."""
 
     @field_validator("topology")
     @classmethod

@@ -69,6 +69,12 @@ class Target(ABC):
     """Whether plans run (and are timed) there, or are only compiled."""
 
     @property
+    def keeps_programs(self) -> bool:
+        """Whether a study keeps each compiled program (``measure.artifacts.PROGRAMS``): where
+        plans are timed, each is a calibration sample; elsewhere only where the spec asks."""
+        return self.executes
+
+    @property
     @abstractmethod
     def name(self) -> str:
         """How the study names it: ``local``, or the TPU topology (with the host link where the spec gives one)."""

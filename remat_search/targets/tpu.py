@@ -41,7 +41,12 @@ class TpuAotTarget(Target):
         if self.calibration is not None and generation not in self.calibration.chips:
             raise SpecError(f"spec.target.calibration: {config.calibration} was fitted on "
                             f"{', '.join(self.calibration.chips)}, not {generation}; expected a calibration of this chip")
+        self._keep_programs = config.keep_programs
         self._devices: list[Any] | None = None
+
+    @property
+    def keeps_programs(self) -> bool:
+        return self._keep_programs
 
     @property
     def name(self) -> str:

@@ -69,6 +69,30 @@ def test_calibrate_a_study_that_ran_on_its_devices(cli, tmp_path: Path, storage_
     assert "jax" in calibration.compiler
 
 
+def test_a_tpu_study_keeps_its_programs_where_the_spec_asks(cli, tmp_path: Path, home: Path) -> None:  # type: ignore[no-untyped-def]
+    """A TPU topology's programs are only estimated: kept only with ``target.keep_programs``,
+    and then, with steps measured elsewhere (here made up), a samples file calibrates on them."""
+    space = {"layout": "uniform", "choices": ["full", "dots"]}
+    for study, keep in (("estimated", False), ("kept", True)):  # each its own storage: no measurement reused
+        target = {"platform": "tpu", "topology": "v5e:2x2", **({"keep_programs": True} if keep else {})}
+        report = remat_search.run(parse_spec(spec_dict(f"sqlite:///{tmp_path / study}.db", study=study, trials=2,
+                                                       confirm={"top": 0}, space=space, target=target)))
+    assert not list((home / "artifacts" / "estimated").glob("programs/*"))
+    digests = {t.measurement.program_digest for t in report.trials}
+    kept = {p.name for p in (home / "artifacts" / "kept" / "programs").glob("*.hlo.gz")}
+    assert len(digests) == 2 and kept == {f"{d}.hlo.gz" for d in digests}
+    samples = [{"label": f"kept#{t.number}", "chip": "v5e", "program": str(home / "artifacts" / "kept" / "programs" /
+                f"{t.measurement.program_digest}.hlo.gz"), "measured_seconds": 2 * t.seconds, "kind": t.plan.kind}
+               for t in report.trials]
+    (tmp_path / "samples.json").write_text(json.dumps(samples))
+    result = cli("calibrate", str(tmp_path / "samples.json"), "--name", "v5e-kept", "-o", str(tmp_path / "v5e.json"))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    calibration = load_calibration(tmp_path / "v5e.json")
+    assert [s.label for s in calibration.samples] == [s["label"] for s in samples]
+    for s, t in zip(calibration.samples, report.trials, strict=True):  # the fit explains twice the datasheet's steps
+        assert s.uncalibrated_seconds == pytest.approx(t.seconds) and s.calibrated_seconds == pytest.approx(2 * t.seconds, rel=0.05)
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (("--name", "x"), "calibrate: no samples; name a SAMPLES.json file or --study"),
     (("missing.json", "--name", "x"), "calibrate: samples file missing.json: [Errno 2]"),

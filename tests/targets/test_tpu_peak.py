@@ -99,6 +99,28 @@ def test_the_peak_rule_by_platform(platform: str | None, compiler_peak: int | No
     assert (mem.peak, mem.peak_source) == (peak, source)
 
 
+@pytest.mark.parametrize(("run", "figures", "host"), [
+    # MaxText's compiles of published configurations (benchmarks/results/published_configs.md, "Memory"):
+    ("v6e Llama 3.1 70B, 256 chips, its layer input and q, k, v offloaded", dict(
+        argument=3324293120, output=3322988288, alias=3322982400, temp=25663098336, generated_code=97321984,
+        host_temp=120795955200, compiler_peak=124120285952), True),
+    ("v5e 32B, q, k, v offloaded", dict(argument=1529909248, output=1529751552, alias=1529745408, temp=15106487808,
+                                        generated_code=36127744, host_temp=12884901888, compiler_peak=14414843392), True),
+    ("v6e Llama 2 70B, q, k, v offloaded", dict(
+        argument=3249221632, output=3249063680, alias=3249057792, temp=24503896896, generated_code=78272512,
+        host_temp=13421772800, compiler_peak=20103269632), False),
+])
+def test_a_compiler_peak_that_is_the_hosts_gives_way_to_the_breakdown_sum(run: str, figures: dict[str, int], host: bool) -> None:
+    """Where libtpu's peak is the arguments plus the host temporaries, the device's peak is
+    not stated: the breakdown sum stands in, and show says why."""
+    mem = MemoryBreakdown(**figures, platform="tpu")
+    assert mem.compiler_peak_is_host is host
+    assert (mem.peak, mem.peak_source) == ((mem.breakdown_sum, "breakdown_sum") if host else (mem.compiler_peak, "compiler_peak"))
+    said = describe_trial(TrialResult(number=0, status="measured", measurement=Measurement(
+        status="measured", plan_digest="p", memory=mem, time_source="estimated")))
+    assert ("the compiler's peak is its arguments plus its host temporaries" in said) is host
+
+
 def test_show_says_the_breakdown_sum_stands_in_for_an_unreported_compiler_peak() -> None:
     mem = _breakdown(platform="tpu", compiler_peak=-1, temp=-1)
     assert mem.unreported == ("temp", "peak") and mem.peak == mem.breakdown_sum
