@@ -288,12 +288,14 @@ def search(run: Run, storage: str, trials: int, *, keep_programs: bool = False) 
 
 
 def status(trial: TrialResult, report: StudyReport) -> str:
-    """The trial's verdict under today's peak rule: a trial measured before the rule read a
-    TPU compiler's host figure as the device's (``MemoryBreakdown.compiler_peak_is_host``) may
-    be over the HBM by the breakdown sum that stands in for it now."""
-    if trial.status == "measured" and trial.peak_bytes is not None and trial.peak_bytes > report.budget:
-        return "over_budget (sum)"
-    return trial.status
+    """The trial's verdict under today's peak rule: a trial judged before the rule read a TPU
+    compiler's host figure as the device's (``MemoryBreakdown.compiler_peak_is_host``) may be
+    over the budget by the breakdown sum that stands in for it now, or within it."""
+    m = trial.measurement
+    if trial.status not in ("measured", "over_budget") or m is None or m.memory is None or m.estimate is None:
+        return trial.status
+    now = "measured" if m.memory.peak <= report.budget else "over_budget"
+    return now if now == trial.status else f"{now} (re-read)"
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
@@ -314,24 +316,41 @@ def lookalike_ratios() -> dict[str, str]:
     return dict(found)
 
 
-def published_calibration() -> Any:
-    """The step-time model calibrated on every kept published program (:func:`keep_programs`),
-    with each run's leave-one-out estimate; written to ``PROGRAMS/calibration.json``, which a
-    TPU spec may name (``target.calibration``). None before any program is kept."""
+GROUPS = {"v5": ("v5e", "v5p"), "v6e": ("v6e",)}
+"""The calibrations by chip (``PROGRAMS/<group>.json``): v5e and v5p together (three runs each),
+v6e alone; ``all`` (``calibration.json``) is one set of figures for every generation."""
+
+
+def group(chip: str) -> str:
+    return next(name for name, chips in GROUPS.items() if chip in chips)
+
+
+def published_calibration() -> dict[str, Any]:
+    """The step-time model calibrated on the kept published programs (:func:`keep_programs`),
+    each with its samples' leave-one-out estimates: one calibration a group of chips
+    (:data:`GROUPS`, ``PROGRAMS/<group>.json``) and one of all (``PROGRAMS/calibration.json``),
+    each of which a TPU spec may name (``target.calibration``). Empty before any program is kept."""
     from remat_search.targets.calibration import calibrate, load_samples
 
     index = PROGRAMS / "samples.json"
     if not index.exists():
-        return None
-    calibration = calibrate(load_samples(index), name="maxtext-published",
-                            compiler=f"libtpu {importlib.metadata.version('libtpu')}, MaxText {importlib.metadata.version('maxtext')}")
-    (PROGRAMS / "calibration.json").write_text(calibration.model_dump_json(indent=1) + "\n")
-    return calibration
+        return {}
+    samples = load_samples(index)
+    compiler = f"libtpu {importlib.metadata.version('libtpu')}, MaxText {importlib.metadata.version('maxtext')}"
+    calibrations = {"all": calibrate(samples, name="maxtext-published", compiler=compiler)}
+    for name, chips in GROUPS.items():
+        calibrations[name] = calibrate([s for s in samples if s[0].chip in chips], name=f"maxtext-published-{name}",
+                                       compiler=compiler)
+    for name, calibration in calibrations.items():
+        path = PROGRAMS / ("calibration.json" if name == "all" else f"{name}.json")
+        path.write_text(calibration.model_dump_json(indent=1) + "\n")
+    return calibrations
 
 
-def page(results: list[tuple[Run, StudyReport, float]], command: str, calibration: Any = None) -> str:
+def page(results: list[tuple[Run, StudyReport, float]], command: str, calibrations: dict[str, Any]) -> str:
     ratios, looks, samples_only = {}, lookalike_ratios(), []
-    left_out = {s.label: s for s in calibration.samples} if calibration is not None else {}
+    left_out = {s.label: s for name, c in calibrations.items() if name != "all" for s in c.samples}
+    one = {s.label: s for s in calibrations["all"].samples} if calibrations else {}
     fidelity, quality, every = [], [], []
     for run, report, minutes in results:
         pub = published_trial(run, report)
@@ -339,17 +358,19 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         # Over the HBM in the study (its compiler's peak), the published configuration is estimated all the same.
         estimate = pub.measurement.estimate if pub is not None and pub.measurement is not None else None
         est = estimate.seconds if estimate is not None else None
-        fits = pub is not None and status(pub, report) == "measured"
+        fits = pub is not None and status(pub, report).startswith("measured")
         peak = format_bytes(pub.peak_bytes) if pub is not None and pub.peak_bytes else "—"
         mesh = ",".join(f"{a}={n}" for a, n in run.mesh.items())
         if est is not None:
             ratios[run.name] = est / step
-        loo = left_out.get(run.name)
+        loo, loo_all = left_out.get(run.name), one.get(run.name)
+        calibration = calibrations.get(group(run.chip))
         fidelity.append(
             f"| {run.name} | {run.chips} × {run.chip} | {run.per_device_batch} × {run.seq} | {mesh} | {label(run.choices[0])} | "
             f"{run.published} | {step:.2f} s | {peak} of {format_bytes(report.budget)}: {'fits' if fits else '**no**'} | "
             + (f"{est:.2f} s | **{est / step:.3f}**" if est is not None else "— | —")
             + (f" | {loo.loo_seconds:.2f} s | **{loo.loo_seconds / step:.3f}**" if loo is not None else " | — | —")
+            + (f" | {loo_all.loo_seconds / step:.3f}" if loo_all is not None else " | —")
             + f" | {looks.get(run.name, '—')} |")
         if run.trials == 1:  # a fidelity sample: its published configuration alone, nothing searched
             samples_only.append(run.name)
@@ -386,19 +407,22 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "flags of the run's script, and the step-time model estimates each candidate (host transfers at 15 GB/s a chip). "
         "Every figure below is an **estimate** of the model. The searches' are uncalibrated (the datasheet's figures); "
         "beside them, each published configuration's estimate **calibrated leave-one-out**: the model's free figures "
-        f"fitted (`remat-search calibrate`) on the other {len(results) - 1} published runs' programs and steps "
-        "(`published_programs/`, `calibration.json`), then priced on this one. "
+        "fitted (`remat-search calibrate`) on the other published runs of its chip's group (v5e and v5p together; v6e) "
+        "and their steps (`published_programs/`: `v5.json`, `v6e.json`), then priced on this one; beside it, the same of "
+        "one calibration of every run (`calibration.json`). "
         "The look-alike decoder's ratios (`published_lookalike.md`, jax 0.10, kept for one release) stand beside them.\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
         "![estimate / published step, each run](published_configs.png)\n",
         "| run | chips | batch a chip × tokens | mesh | remat | published | published step | compiled peak a chip | "
-        "estimated step | est. / published | calibrated, left out | its / published | look-alike's est. / published |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "estimated step | est. / published | calibrated, left out | its / published | one calibration of all, left out / "
+        "published | look-alike's est. / published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *fidelity, "",
         (f"Estimate / published over {len(values)} runs: min {values[0]:.3f}, median {statistics.median(values):.3f}, "
          f"max {values[-1]:.3f} (spread {values[-1] - values[0]:.3f}); within ±15%: {within} of {len(values)}.\n"
          if values else "No run estimated yet.\n"),
-        *(calibrated_lines(calibration, {run.name: published_step(run) for run, _, _ in results}) if calibration else []),
+        *[line for name, c in calibrations.items()
+          for line in calibrated_lines(c, {run.name: published_step(run) for run, _, _ in results}, name)],
         "## Quality: the configuration space searched at the same chips, global batch and HBM\n",
         "Per-device batch (the published one or half, with accumulation making up the global batch), the published mesh "
         "or one other, one remat policy for every layer (MaxText's form), and, where listed, MaxText's memory knobs. "
@@ -407,7 +431,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "`targets.chips.PUBLISHED_BANDS`). A configuration is **beaten** only where the best found is faster even at the "
         "slow end of its band against the published configuration at the fast end of its own: a gain above the band's "
         "width (high / low - 1). A gain inside it is not a win. The last verdict reads the same gains against the "
-        f"calibration's left-out bands of each side's kind of plan (recompute, offload), from all {len(results)} runs. "
+        f"calibration's left-out bands of each side's kind of plan (recompute, offload), from the calibration of its chip's group. "
         f"Not searched, their published configuration compiled alone (samples of the fidelity and the calibration): "
         f"{', '.join(samples_only) or 'none'}.\n",
         "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | band (width) | "
@@ -454,20 +478,21 @@ def host_peak_lines(results: list[tuple[Run, StudyReport, float]]) -> list[str]:
     ]
 
 
-def calibrated_lines(calibration: Any, steps: dict[str, float]) -> list[str]:
+def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> list[str]:
     """The calibration's figures and its leave-one-out error, for the page."""
     ratios = sorted(s.loo_seconds / steps[s.label] for s in calibration.samples if s.label in steps)
     within = sum(abs(r - 1) <= 0.15 for r in ratios)
     e = calibration.efficiencies
     bands = ", ".join(f"{kind} ×{b[0]:.3f}–{b[1]:.3f}" for kind in ("recompute", "offload")
                       if (b := calibration.band(kind)) is not None)
+    chips = "every generation, one set of figures" if name == "all" else ", ".join(GROUPS[name])
     return [
-        f"Calibrated, left out, over {len(ratios)} runs: min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, "
+        f"**{calibration.name}** ({chips}; `published_programs/{'calibration' if name == 'all' else name}.json`): "
+        f"calibrated, left out, over {len(ratios)} runs: min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, "
         f"max {ratios[-1]:.3f}; within ±15%: **{within} of {len(ratios)}**. Fitted on all {len(ratios)} "
         f"({', '.join(calibration.fitted)}): matmuls at {e.matmul:.3f} of peak, HBM at {e.hbm:.3f}, ICI at {e.ici:.3f}, "
         f"host link at {e.host_link:.3f} of the assumed 15 GB/s, {e.launch_seconds * 1e6:.1f} µs an instruction; "
-        f"bands (published / left-out estimate): {bands}. {len(ratios)} runs on three generations with one set of "
-        "figures: what it says of another run is this spread, not a promise.\n",
+        f"bands (published / left-out estimate): {bands}. What it says of another run is this spread, not a promise.\n",
     ]
 
 

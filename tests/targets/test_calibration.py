@@ -137,14 +137,20 @@ def test_a_generation_without_published_runs_has_no_band() -> None:
     assert v4.band is None and band_text(v4).startswith("uncalibrated, its error unknown")
 
 
+OUTSIDE = ["v5e-64b"]
+"""The published runs whose left-out estimate by one calibration of all nineteen is off by more
+than 15% (docs/benchmarks.md: 1.156); by each chip group's calibration, none is."""
+
+
 @pytest.mark.parametrize("kept", ["calibrations/h200.json", "calibrations/h100-kept.json",
-                                  "published_programs/calibration.json"])
+                                  "published_programs/calibration.json", "published_programs/v5.json",
+                                  "published_programs/v6e.json"])
 def test_a_kept_calibration_prices_its_samples_as_it_says(kept: str) -> None:
     """The calibrations the docs quote (benchmarks/results) hold what this code computes: each
     sample's program priced at the kept figures is the kept calibrated step."""
     calibration = load_calibration(RESULTS / kept)
-    folder = {"calibrations/h200.json": RESULTS / "gpu_step_time_h200", "calibrations/h100-kept.json": RESULTS,
-              "published_programs/calibration.json": RESULTS / "published_programs"}[kept]
+    folder = {"calibrations/h200.json": RESULTS / "gpu_step_time_h200", "calibrations/h100-kept.json": RESULTS}.get(
+        kept, RESULTS / "published_programs")
     programs = {s.label: path for s, path in load_samples(folder / "samples.json")}
     for s in calibration.samples:
         chip = chip_of(s.chip)
@@ -153,8 +159,10 @@ def test_a_kept_calibration_prices_its_samples_as_it_says(kept: str) -> None:
         assert price(work, chip).seconds == pytest.approx(s.uncalibrated_seconds, rel=1e-9)
     if kept.startswith("calibrations/"):  # the GPUs: every plan within 4% left out (README says so)
         assert max(calibration.errors().values()) <= 0.04
-    else:  # MaxText's published runs: 7 of 8 within 15% left out, the 8B outside
-        assert sorted(s.label for s in calibration.samples if abs(s.loo_error) > 0.15) == ["v6e-llama3.1-8b"]
+    elif kept.endswith("calibration.json"):  # MaxText's published runs, one set of figures for all: OUTSIDE
+        assert sorted(s.label for s in calibration.samples if abs(s.loo_error) > 0.15) == OUTSIDE
+    else:  # a calibration of the chip's group (v5e with v5p; v6e): every published run within 15% left out
+        assert max(abs(s.loo_error) for s in calibration.samples) <= 0.15
 
 
 def test_the_h200_calibration_estimates_a_shape_it_never_saw_within_its_error() -> None:
