@@ -220,7 +220,9 @@ class TpuTarget(Frozen):
     """Keep each compiled program in the study's artifacts (gzipped, once per distinct program),
     as a study that times its plans does: a program whose step you measured elsewhere (a run
     on the chips, a published step) is a calibration sample (``remat-search calibrate
-    SAMPLES.json``). False: an estimated program is not kept."""
+    SAMPLES.json``). A plan whose measurement the study reuses (the same plan measured before
+    for the same target, in this storage) is not compiled again, so not kept. False: an
+    estimated program is not kept."""
 
     @field_validator("topology")
     @classmethod
