@@ -236,16 +236,17 @@ def test_planner_study_proposes_predicted_plans_that_fit(tmp_path: Path, storage
     first proposal is planned for the budget and its compiled peak is near the prediction.
 
     The uniform remat plans are made slow, as remat is on a real accelerator, and in the order
-    of their FLOPs (here dots recomputes more than full: +120 ms a step, full +60 ms), with gaps
+    of their FLOPs (here dots recomputes more than full: +300 ms a step, full +150 ms), with gaps
     far beyond a loaded host's noise (+40 and +20 ms were not: a suite with several processes
-    standing for a slice's hosts beside it put dots at or below full once). No remat, over the budget, never runs: the model prices it
+    standing for a slice's hosts beside it put dots at or below full once; +120 and +60 ms
+    proposed nothing once more in a fresh clone's CI). No remat, over the budget, never runs: the model prices it
     by its FLOPs at the seconds per FLOP the presets show. Were the presets' times out of their
     FLOPs' order (noise does that on a tiny CPU model: the suite once failed so with both at
     +20 ms on a loaded host), that slope is no signal, no remat is priced at the presets' mean,
     and the predicted front is one measured preset, with nothing new to propose.
     """
     delays = tmp_path / "delays.json"
-    delays.write_text(json.dumps({"full×3": 60, "dots×3": 120}))
+    delays.write_text(json.dumps({"full×3": 150, "dots×3": 300}))
     workload = {"factory": "tests.factories:delayed", "args": {"delays": str(delays)}}
     probe = remat_search.run(parse_spec(spec_dict(
         storage_url, study="probe", workload=workload, space={"layout": "uniform", "choices": ["none", "full"]},
