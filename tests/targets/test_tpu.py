@@ -183,6 +183,8 @@ def test_a_tpu_search_defaults_its_budget_to_the_chips_hbm(
      ({"target": "tpu"}, "spec.target: expected local or {platform: tpu"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2", "host_link": "fast"}},
       "spec.target.host_link: expected bytes a second such as 32GB/s, 64GB/s or 3.2e10, got 'fast'"),
+     ({"target": {"platform": "tpu", "topology": "v5e:2x2", "keep_programs": "maybe"}},
+      "spec.target.keep_programs: Input should be a valid boolean, unable to interpret input (got 'maybe')"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"data": 2, "fsdp": 4}},
       "spec.mesh: {'data': 2, 'fsdp': 4} spans 8 devices, the target has 4"),
      ({"target": {"platform": "tpu", "topology": "v5e:2x2"}, "mesh": {"model layer": 4}},
