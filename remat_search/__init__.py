@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         StorageError,
         WorkloadError,
     )
+    from remat_search.measure.check import GradientCheck
     from remat_search.measure.measurement import Measurement, MemoryBreakdown
     from remat_search.measure.slice import SliceMember, member_of
     from remat_search.plans.plan import RematPlan, apply_layers, scan_layers, scan_linen, scan_nnx
@@ -67,6 +68,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('Calibration', 'Sample', 'calibrate', 'load_calibration', 'load_samples'), "remat_search.targets.calibration"),
     **dict.fromkeys(('Efficiencies', 'StepEstimate'), "remat_search.targets.step_time"),
     **dict.fromkeys(('Measurement', 'MemoryBreakdown'), "remat_search.measure.measurement"),
+    **dict.fromkeys(('GradientCheck',), "remat_search.measure.check"),
     **dict.fromkeys(('RematPlan', 'apply_layers', 'scan_layers', 'scan_linen', 'scan_nnx'), "remat_search.plans.plan"),
     **dict.fromkeys(('Advice', 'plan_for_budget'), "remat_search.search.advice"),
     **dict.fromkeys(('CostModel', 'fit_cost_model'), "remat_search.search.cost_model"),
@@ -94,6 +96,7 @@ __all__ = [
     "Comparison",
     "CostModel",
     "Efficiencies",
+    "GradientCheck",
     "LayerPolicy",
     "Measurement",
     "MemoryBreakdown",

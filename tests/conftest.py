@@ -40,6 +40,14 @@ TINY_TRANSFORMER: dict[str, Any] = {
 }
 CHOICES: list[Any] = ["none", "full", "dots", {"label": "save_attn", "names": ["context", "out_proj"]}]
 FAST_TIMING = {"warmup": 1, "repeats": 2, "timeout": "120s"}
+CHECK_WORKLOAD = {"kind": "transformer", "layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32,
+                  "batch": 8, "vocab": 256}
+CHECK_SEARCH: dict[str, Any] = {
+    "workload": CHECK_WORKLOAD, "space": {"layout": "per_layer", "choices": ["none", "full", "dots"]}, "trials": 10,
+    "sampler": {"kind": "tpe", "seed": 0}, "timing": {"warmup": 1, "repeats": 1, "timeout": "300s"}, "confirm": {"top": 0},
+}
+"""Issue 46's search of the first-step check (the study name and storage aside): on main c87a32a
+it failed correct plans on four devices and in bfloat16 (tests/measure/test_check.py)."""
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -378,3 +378,56 @@ class RaisingOnOneProcessMlp(MlpWorkload):
 
 def raising_on_process(process: int = 1, layers: int = 2) -> RaisingOnOneProcessMlp:
     return RaisingOnOneProcessMlp(process, layers)
+
+
+REDRAWS = ("host_noise", "stateful_dropout")
+
+
+class RedrawingMlp(MlpWorkload):
+    """An MLP whose recomputed forward is not its first forward, as a model that trains
+    differently under remat would be: each block's hidden activation is changed by a draw that
+    a recomputation draws again, differently.
+
+    - ``host_noise``: noise from a host callback declared pure (``jax.pure_callback`` over
+      NumPy's generator), added to the activation: a plan that recomputes the block draws new
+      noise in its backward pass;
+    - ``stateful_dropout``: a dropout mask drawn by XLA's stateful generator
+      (``lax.rng_uniform``), whose key advances at every draw, the recomputation's too.
+
+    Parameters and activations in ``dtype`` (``float32`` or ``bfloat16``)."""
+
+    def __init__(self, redraw: str, dtype: str = "float32", layers: int = 3, batch: int = 128) -> None:
+        if redraw not in REDRAWS:
+            raise ValueError(f"redraw: expected one of {REDRAWS}, got {redraw!r}")
+        super().__init__(TINY_MLP.model_copy(update={"layers": layers, "batch": batch}))
+        self.redraw, self.dtype = redraw, jnp.dtype(dtype)
+        self._rng = np.random.default_rng()
+
+    def init_params(self, key: jax.Array) -> PyTree:
+        return jax.tree.map(lambda a: a.astype(self.dtype), super().init_params(key))
+
+    def make_batch(self, key: jax.Array) -> PyTree:
+        return jax.tree.map(lambda a: a.astype(self.dtype), super().make_batch(key))
+
+    def _changed(self, h: jax.Array) -> jax.Array:
+        if self.redraw == "stateful_dropout":
+            keep = jax.lax.rng_uniform(jnp.float32(0), jnp.float32(1), h.shape) < 0.8
+            return jnp.where(keep, h / 0.8, 0).astype(h.dtype)
+        shape = jax.ShapeDtypeStruct(h.shape, jnp.float32)
+        noise = jax.pure_callback(lambda: self._rng.standard_normal(h.shape, np.float32), shape)
+        return h + noise.astype(h.dtype)
+
+    def loss(self, plan: RematPlan) -> Callable:
+        def block(params: PyTree, x: jax.Array) -> jax.Array:
+            h = self._changed(jax.nn.gelu(checkpoint_name(x @ params["wi"], "mlpwi")))
+            return x + checkpoint_name(h @ params["wo"], "mlpwo")
+
+        def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+            x = apply_layers(plan, [functools.partial(block, p) for p in params], batch["x"])
+            return jnp.mean((x.astype(jnp.float32) - batch["y"].astype(jnp.float32)) ** 2)
+
+        return loss_fn
+
+
+def redrawing(redraw: str, dtype: str = "float32", layers: int = 3, batch: int = 128) -> RedrawingMlp:
+    return RedrawingMlp(redraw, dtype, layers, batch)

@@ -123,7 +123,7 @@ def best(
             output.note(notice)
     else:
         output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
-        output.console.print(describe_trial(found, stored.device))
+        output.console.print(describe_trial(found, stored.device, stored.gradient_tolerance))
     if note:
         output.note(note)
     if within := rivals_note(found, close):
@@ -199,7 +199,7 @@ def show(
         if note := time_models_note(trials):
             output.note(note)
     else:
-        output.console.print(describe_trial(found, stored.device), highlight=False)
+        output.console.print(describe_trial(found, stored.device, stored.gradient_tolerance), highlight=False)
     if stored.device.get("workload_note"):
         output.console.print(stored.device["workload_note"], highlight=False, markup=False)
     if stored.device.get("shardings"):

@@ -99,7 +99,7 @@ def reference_parts(info: DeviceInfo, layers: int) -> dict[str, Any]:
             "jax_version", "workload_fingerprint", "program_fingerprint", "compiler_options", "compiler_version",
             "compiler_packages",
         }),
-        "anchor": anchor_plan(layers).digest, "input_seed": INPUT_SEED,
+        "anchor": anchor_plan(layers).digest, "input_seed": INPUT_SEED, "schema": MEASUREMENT_SCHEMA,
     }
 
 

@@ -4,24 +4,22 @@ if a plan fits, run it.
 :func:`measure` runs inside a worker process (see ``runner.py``) with the worker's
 :class:`Executables`, which compile each plan's step once per worker, whatever the budget.
 The peak comes from ``Compiled.memory_analysis()``; a plan whose peak exceeds the budget is
-never executed. A plan that fits runs its first step on fresh inputs, and the change that step
-makes to the training state (and its loss) is checked against the reference's first step: full
-remat, the same mathematics in the least memory, run only where it fits the budget too. That
-step is the first warm-up; then come the timed repeats (median, min and spread), each beside a
-step of the anchor (full remat again). What was seen is a raw measurement, judged against the
-budget and the tolerance by :func:`measurement.judge`. :func:`retime` re-times kept executables
+never executed. A plan that fits runs its first step on fresh inputs, and the gradients that
+step computed (and its loss) are checked against the reference's first step: full remat, the
+same mathematics in the least memory, run only where it fits the budget too, with a threshold
+measured on it (:mod:`remat_search.measure.check`). That step is the first warm-up; then come
+the timed repeats (median, min and spread), each beside a step of the anchor (full remat
+again). What was seen is a raw measurement, judged against the budget (and a spec's
+``gradient_tolerance``, where it sets one) by :func:`measurement.judge`. :func:`retime` re-times kept executables
 interleaved. What is read off a compiled program besides its memory (its digest, cost and I/O
 bytes) is :mod:`remat_search.measure.program`.
 """
 
 from __future__ import annotations
 
-import gzip
 import math
-import os
 import random
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from remat_search.measure.artifacts import ReferenceStore
+from remat_search.measure.artifacts import ReferenceStore, keep_program
+from remat_search.measure.check import (
+    Carriers, Reference, check, first_step, gradient_carriers, matmul_precision, noise_of, nudged,
+)
 from remat_search.measure.measurement import Measurement, MemoryBreakdown, RawMeasurement, judge
+from remat_search.measure.placement import in_step, on_host, placed
 from remat_search.measure.program import io_bytes, program_cost, program_digest
 from remat_search.measure.slice import Agreement
 from remat_search.plans.configuration import Configuration
@@ -68,16 +70,9 @@ class Build:
     it (None for a program that calls back into Python)."""
     estimate: StepEstimate | None = None
     """The target's model of one step of it, where nothing runs (``Target.estimate``)."""
-
-
-@dataclass(frozen=True)
-class FirstStep:
-    """What an executable's first step did to fresh inputs, on the host: the change to each
-    leaf of the training state (new − initial; an optimizer's moments carry the gradients),
-    and the loss."""
-
-    change: Any
-    loss: float
+    precision: tuple[float, str] | None = None
+    """The anchor's matmuls' unit roundoff and what it is of (:func:`check.matmul_precision`),
+    which the check's rounding figure is scaled to; None for other plans."""
 
 
 class Executables:
@@ -89,7 +84,7 @@ class Executables:
     at most ``capacity`` executables, the least recently used dropped first (a plan dropped
     and asked for again is compiled again), and the anchor's besides. Where nothing runs (a
     TPU target compiled ahead of time) only the compiler's figures are kept. The reference's
-    first step (see :meth:`reference`) is computed at most once and kept on the host; with a
+    first step and its noise (see :meth:`reference`) are computed at most once and kept on the host; with a
     ``reference_store`` it is loaded from there when saved before (by this study's earlier
     workers, or another host's), else computed and saved there. A new worker (after a crash or
     a timeout) starts empty.
@@ -117,8 +112,17 @@ class Executables:
         self.anchor_plan = anchor_plan(workload.layers).model_copy(update={"configuration": configuration})
         self._kept: OrderedDict[str, Build] = OrderedDict()
         self._anchor: Build | None = None
-        self._reference: FirstStep | None = None
+        self._reference: Reference | None = None
         self.reference_store = reference_store
+        self._carriers: Carriers | None = None
+
+    @property
+    def carriers(self) -> Carriers:
+        """The leaves of the training state the check compares (:func:`check.gradient_carriers`)."""
+        if self._carriers is None:
+            with self.workload.tracing():
+                self._carriers = gradient_carriers(self.workload.abstract_inputs()[0])
+        return self._carriers
 
     def build(self, plan: RematPlan) -> Build:
         """``plan`` compiled: kept from before, or compiled now. Exceptions other than the
@@ -138,10 +142,11 @@ class Executables:
         build = self.build(self.anchor_plan)
         return build if build.memory is not None and build.memory.peak <= budget else None
 
-    def reference(self, budget: int) -> FirstStep | None:
+    def reference(self, budget: int) -> Reference | None:
         """Full remat's first step on fresh inputs, the reference every plan's is checked
-        against; None where full remat does not fit ``budget`` (it is not run, nor loaded: the
-        verdict is the same whether it was saved or not)."""
+        against, with the noise measured on it (:func:`check.noise_of`: full remat run again,
+        and on nudged inputs); None where full remat does not fit ``budget`` (it is not run, nor
+        loaded: the verdict is the same whether it was saved or not)."""
         anchor = self.anchor(budget)
         if anchor is None:
             return None
@@ -150,32 +155,34 @@ class Executables:
             self.reference_from = "loaded"
             if not self._everyone(self._reference is not None):
                 self._reference = None  # loaded by all processes of a slice or by none: they run it in step
-        if self._reference is None:  # none saved: full remat's first step runs here
-            _, self._reference = first_step(anchor.executable, self.inputs())
+        if self._reference is None:  # none saved: full remat's steps run here
+            step, carriers = anchor.executable, self.carriers
+            _, first = first_step(step, self.inputs(), carriers)
+            _, again = first_step(step, self.inputs(), carriers)
+            _, probe = first_step(step, nudged(self.inputs()), carriers)
+            unit_roundoff, precision = anchor.precision or (2.0**-24, "float32 arrays")
+            self._reference = Reference(first, noise_of(first, again, probe, unit_roundoff=unit_roundoff, precision=precision))
             self.reference_from = "computed"
             # Saved from one host alone (a slice's processes would each need to take part in the save).
             if self.reference_store is not None and self.agree is None:
-                import jax
-
-                self.reference_store.save(jax.tree.leaves(self._reference.change), self._reference.loss)
+                self.reference_store.save(self._reference)
         return self._reference
 
     def _everyone(self, yes: bool) -> bool:
         """``yes`` here and, on a slice, on every process (see :attr:`agree`)."""
         return yes if self.agree is None else all(said["yes"] for said in self.agree({"yes": yes}))
 
-    def _saved_reference(self) -> FirstStep | None:
-        """The reference from the ``reference_store``, in the training state's tree; None where
-        there is none (or none saved of this state's shapes)."""
-        import jax
-
+    def _saved_reference(self) -> Reference | None:
+        """The reference from the ``reference_store``; None where there is none (or none saved
+        of this state's carrier shapes)."""
         if self.reference_store is None:
             return None
         with self.workload.tracing():
             state, _ = self.workload.abstract_inputs()
-        leaves, treedef = jax.tree.flatten(state)
-        saved = self.reference_store.load([tuple(leaf.shape) for leaf in leaves])
-        return None if saved is None else FirstStep(change=jax.tree.unflatten(treedef, saved[0]), loss=saved[1])
+        import jax
+
+        leaves = jax.tree.leaves(state)
+        return self.reference_store.load([tuple(leaves[i].shape) for i in self.carriers.indices])
 
     def inputs(self) -> tuple[Any, Any]:
         """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
@@ -199,6 +206,7 @@ class Executables:
                 raise
             peak = oom.required or oom.temp + io_bytes(lowered, abstract)
             return Build(None, time.perf_counter() - start, started, oom=(peak, oom.temp, oom.available))
+        precision = self._precision(lowered) if plan.digest == self.anchor_plan.digest else None
         text, cost = compiled.as_text(), program_cost(compiled)
         digest = program_digest(text)
         if self.programs is not None and digest is not None and self.target.keeps_programs:  # a calibration's sample
@@ -207,61 +215,20 @@ class Executables:
             compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
             program=digest, estimate=None if self.target.executes else self.target.estimate(text, cost, plan.kind),
+            precision=precision,
         )
 
+    def _precision(self, lowered: Any) -> tuple[float, str]:
+        """The lowered anchor's matmul precision on the target (the state's least precise
+        floating dtype where it has no matmul)."""
+        import jax
+        import jax.numpy as jnp
 
-def placed(tree: Any, shardings: Any) -> Any:
-    """``tree`` over ``shardings``. On a slice each process places its own devices' shards,
-    cut from the same values (every process made them from the same seed): ``device_put``
-    cannot reach another host's devices."""
-    import jax
-
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-    host = jax.device_get(tree)
-    return jax.tree.map(
-        lambda x, sharding: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]),
-        host, shardings,
-    )
-
-
-def on_host(tree: Any) -> Any:
-    """``tree``'s values on this host, in full: on a slice gathered from every process (a
-    collective: every process asks at once)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.process_allgather(tree, tiled=True)
-
-
-def in_step(label: str) -> None:
-    """On a slice, wait until every process is here (a barrier over the devices): each
-    process's timed steps then start together. Nothing on one host."""
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(label)
-
-
-def keep_program(folder: Path, digest: str, text: str) -> None:
-    """Keep a compiled program's text as ``folder/<digest>.hlo.gz`` unless it is there: written
-    aside and renamed into place, so that workers keeping one at once never leave half a file.
-    Best effort: a folder that cannot be written keeps nothing (the measurement stands)."""
-    path = folder / f"{digest}.hlo.gz"
-    if path.exists():
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        aside = folder / f".{digest}.{uuid.uuid4().hex}"
-        aside.write_bytes(gzip.compress(text.encode(), mtime=0))
-        os.replace(aside, path)
-    except OSError:
-        return
+        with self.workload.tracing():
+            state, _ = self.workload.abstract_inputs()
+        dtypes = {np.dtype(a.dtype) for a in jax.tree.leaves(state) if jax.dtypes.issubdtype(a.dtype, np.floating)}
+        fallback = min(dtypes, key=lambda d: jnp.finfo(d).nmant).name if dtypes else "float32"
+        return matmul_precision(lowered.as_text(), self.target.platform, fallback)
 
 
 Known = Callable[[str], RawMeasurement | None]
@@ -269,7 +236,7 @@ Known = Callable[[str], RawMeasurement | None]
 plan's, or None: the search asks its study and the measurement cache (``cache.lookup_program``)."""
 
 def measure(
-    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float | None = None,
     known: Known | None = None,
 ) -> Measurement:
     """Compile ``plan`` (once per worker: see :class:`Executables`); run, check and time it
@@ -293,7 +260,7 @@ def measure(
 
 
 def _observe(
-    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    executables: Executables, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float | None = None,
     known: Known | None = None,
 ) -> RawMeasurement:
     """What compiling ``plan`` and, within ``budget``, running it shows: see :func:`measure`."""
@@ -346,7 +313,7 @@ def _agreed_build(executables: Executables, plan: RematPlan) -> tuple[Build, int
 
 def _run(
     executables: Executables, build: Build, plan: RematPlan, *, budget: int, timing: TimingConfig,
-    tolerance: float, seen: dict[str, Any],
+    tolerance: float | None, seen: dict[str, Any],
 ) -> RawMeasurement:
     """Check ``plan``'s first step against the reference and time it, the device held."""
     reference = executables.reference(budget)  # first, so that one training state is on the device at a time
@@ -358,13 +325,13 @@ def _run(
             f"> budget {format_bytes(budget)}, and nothing over the budget is run"
         )
     else:
-        inputs, first = first_step(build.executable, inputs)
-        abs_error, rel_error = gradient_error((first.change, first.loss), (reference.change, reference.loss))
+        inputs, first = first_step(build.executable, inputs, executables.carriers)
+        verdict = check(first, reference.step, reference.noise, executables.carriers)
         seen.update(
-            grad_max_abs_error=abs_error, grad_rel_error=rel_error, grad_reference="full", first_loss=first.loss,
+            grad_check=verdict, grad_rel_error=verdict.max_error, grad_reference="full", first_loss=first.loss,
             reference_from=executables.reference_from,
         )
-        if not (rel_error <= tolerance and math.isfinite(first.loss)):
+        if verdict.failure(tolerance) is not None or not math.isfinite(first.loss):
             return RawMeasurement(**seen)  # failed: not timed
         warmup = max(warmup - 1, 0)  # the checked step was the first warm-up step
 
@@ -423,28 +390,6 @@ def anchor_plan(layers: int) -> RematPlan:
     return RematPlan.uniform("full", layers)
 
 
-def first_step(executable: Any, inputs: tuple[Any, Any]) -> tuple[tuple[Any, Any], FirstStep]:
-    """Run ``executable`` once on ``inputs`` (which it donates); the new ``(state, batch)``,
-    still on the devices, and what the step did (on the host)."""
-    import jax
-
-    def bits(tree: Any) -> Any:  # a PRNG key (MaxText's state holds some) as its raw bits, on the host
-        return on_host(jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree))
-
-    state, batch = inputs
-    before = bits(state)
-    state, loss = executable(state, batch)
-    change = jax.tree.map(_change, bits(state), before)
-    return (state, batch), FirstStep(change=change, loss=float(on_host(loss)))
-
-
-def _change(after: np.ndarray, before: np.ndarray) -> np.ndarray:
-    """new − initial, computed in float64 and kept as float32 (float64 for 64-bit leaves)."""
-    after = np.asarray(after)
-    delta = after.astype(np.float64) - np.asarray(before).astype(np.float64)
-    return delta if after.dtype.itemsize > 4 else delta.astype(np.float32)
-
-
 def _time_steps(
     steps: list[Any], inputs: tuple[Any, Any], *, warmup: int, rounds: int, order: random.Random | None = None
 ) -> tuple[list[tuple[float, ...]], float]:
@@ -467,21 +412,3 @@ def _time_steps(
             if i >= warmup:
                 times[j].append(time.perf_counter() - t0)
     return [tuple(t) for t in times], float(on_host(loss))
-
-
-def gradient_error(grads: Any, reference: Any) -> tuple[float, float]:
-    """(max absolute error, max over leaves of max |error| / max |reference|) of two trees of
-    arrays: gradients, or what a plan's first step did (state change and loss) against the
-    reference's. A NaN anywhere in either makes both NaN, which fails any tolerance (Python's
-    ``max`` would drop it)."""
-    import jax
-
-    abs_error = rel_error = 0.0
-    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(reference), strict=True):
-        diff = float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))))
-        scale = float(np.max(np.abs(np.asarray(r, np.float64))))
-        if math.isnan(diff):
-            return math.nan, math.nan
-        abs_error = max(abs_error, diff)
-        rel_error = max(rel_error, diff / scale if scale > 0 else diff)
-    return abs_error, rel_error

@@ -2,8 +2,9 @@
 
 A :class:`RawMeasurement` is what the runner saw, whatever the budget: the compiler's memory
 and cost figures (or its out-of-memory report), the seconds of the timed steps, the check of
-the first step against the reference's. :func:`judge` gives it a verdict against a budget and
-a gradient tolerance (over budget, measured or failed), making a :class:`Measurement`. The
+the first step against the reference's (:mod:`~remat_search.measure.check`). :func:`judge`
+gives it a verdict against a budget, and the check's measured threshold or a spec's gradient
+tolerance (over budget, measured or failed), making a :class:`Measurement`. The
 worker judges what it has just measured (``executables.measure``); the measurement cache keeps
 raw measurements only and judges a hit again for each study (``cache.py``), never rewriting it.
 """
@@ -17,10 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
+from remat_search.measure.check import GradientCheck
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 12
+MEASUREMENT_SCHEMA = 13
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -46,7 +48,9 @@ all-reduce, ``call-start``) is priced, and that thread's computations are read a
 that start, carry and wait for an asynchronous collective on TPU move on HBM only what they
 compute (the collective's buffers are its ICI bytes, as an unfused collective's are). 12: a Pallas
 TPU kernel's matmuls are priced as the chip's matrix unit spends them, padded to its tiles
-(``targets.mxu``: a 128-wide head at half rate on a v6e)."""
+(``targets.mxu``: a 128-wide head at half rate on a v6e). 13: the check compares the first step's
+gradients (the optimizer's first moment), norm-relative, against a threshold measured on the
+reference (``measure.check``), not the state's change by its largest element."""
 
 Verdict = Literal["measured", "over_budget", "failed", "infeasible"]
 """``infeasible``: the workload refused to build the candidate (:class:`~remat_search.errors.CandidateRefused`),
@@ -199,8 +203,12 @@ class RawMeasurement(BaseModel):
     or in measurements of schema 3 and before, the whole-program roofline."""
     estimate: StepEstimate | None = None
     """What the step-time model (``step_time.estimate_step``) made of the compiled program."""
-    grad_max_abs_error: float | None = None
     grad_rel_error: float | None = None
+    """The check's largest norm-relative error of any array (:attr:`GradientCheck.max_error`);
+    in measurements of schema 12 and before, max |Δ − Δref| / max |Δref| of the state's change."""
+    grad_check: GradientCheck | None = None
+    """The check of the first step against the reference's, with its thresholds and what they
+    were made of (None where not checked, and in measurements of schema 12 and before)."""
     grad_reference: Literal["none", "full"] | None = None
     """The plan whose first step this plan's was checked against: ``full`` (full remat). In
     measurements of schema 1 (see :data:`MEASUREMENT_SCHEMA`), ``none``: gradients of no remat."""
@@ -310,16 +318,16 @@ class Measurement(RawMeasurement):
         return relative_spread(values) if values and self.status == "measured" else None
 
 
-def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Measurement:
-    """The verdict on ``raw`` against ``budget`` and ``gradient_tolerance``: the worker's on
-    what it has just measured and the cache's on what it kept, alike.
+def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float | None = None) -> Measurement:
+    """The verdict on ``raw`` against ``budget`` and, where given, ``gradient_tolerance``: the
+    worker's on what it has just measured and the cache's on what it kept, alike.
 
     Over budget where the compiler ran out of memory (final, whatever the budget) or the peak
-    exceeds ``budget``; failed where the first step differs from the reference's by more than
-    ``gradient_tolerance``, or the loss of its first step or after the timed steps is not
-    finite (a non-finite first loss is named first, even where the check passed); else measured.
-    ``raw`` is kept as it is. A plan that fits but never ran has no verdict (``ValueError``):
-    it must be measured (see ``cache.measure_again``).
+    exceeds ``budget``; failed where the first step fails its check (its measured threshold, or
+    ``gradient_tolerance`` in its place: :meth:`GradientCheck.failure`), or the loss of its
+    first step or after the timed steps is not finite (a non-finite first loss is named first,
+    even where the check passed); else measured. ``raw`` is kept as it is. A plan that fits but
+    never ran has no verdict (``ValueError``): it must be measured (see ``cache.measure_again``).
     """
     peak = raw.peak_bytes
     if peak is None:
@@ -328,8 +336,9 @@ def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Mea
         return _verdict(raw, "over_budget")
     if raw.first_loss is not None and not math.isfinite(raw.first_loss):
         return _verdict(raw, "failed", f"loss is {raw.first_loss} at its first step (not finite); not timed")
-    if raw.grad_rel_error is not None and not raw.grad_rel_error <= gradient_tolerance:
-        return _verdict(raw, "failed", gradient_failure(raw.grad_rel_error, raw.grad_reference, gradient_tolerance))
+    failure = raw.grad_check.failure(gradient_tolerance) if raw.grad_check is not None else None
+    if failure is not None:
+        return _verdict(raw, "failed", failure)
     if raw.time_source is None:
         raise ValueError(f"plan {raw.plan_digest}: fits the budget but never ran, so it must be measured")
     if raw.loss is not None and not math.isfinite(raw.loss):
@@ -339,14 +348,6 @@ def judge(raw: RawMeasurement, *, budget: int, gradient_tolerance: float) -> Mea
 
 def _verdict(raw: RawMeasurement, status: Verdict, error: str | None = None) -> Measurement:
     return Measurement(**dict(raw), status=status, error=error)
-
-
-def gradient_failure(rel_error: float, reference: str | None, tolerance: float) -> str:
-    """The reason a plan fails the gradient check."""
-    return (
-        f"the state change and loss of its first step differ from those of plan {reference!r}: "
-        f"relative error {rel_error:.3g} > gradient_tolerance {tolerance:g}"
-    )
 
 
 def relative_spread(values: Sequence[float]) -> float:

@@ -42,7 +42,7 @@ class Measure:
     plan: str
     budget: int
     timing: TimingConfig
-    gradient_tolerance: float
+    gradient_tolerance: float | None
     ask: bool
 
 

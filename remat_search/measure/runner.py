@@ -105,7 +105,7 @@ class Runner:
         return self._info
 
     def measure(
-        self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+        self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float | None,
         known: Known | None = None,
     ) -> Measurement:
         """Measure ``plan`` in the worker; crashes and timeouts come back as failures.

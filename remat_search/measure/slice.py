@@ -203,7 +203,8 @@ def merged(measurements: Sequence[Measurement], hosts: Sequence[str]) -> Measure
         series = [getattr(m, name) for m in measurements]
         if all(len(s) == len(series[0]) for s in series) and series[0]:
             update[name] = tuple(max(step) for step in zip(*series, strict=True))
-    errors = [m.grad_rel_error for m in measurements if m.grad_rel_error is not None]
-    if errors:
-        update["grad_rel_error"] = max(errors)
+    checked = [m for m in measurements if m.grad_check is not None]
+    if checked:  # each process checked the same gathered gradients: the worst of them stands
+        worst = max(checked, key=lambda m: m.grad_check.leaf_error / (m.grad_check.leaf_threshold or 1))  # type: ignore[union-attr]
+        update.update(grad_check=worst.grad_check, grad_rel_error=worst.grad_rel_error)
     return base.model_copy(update=update)

@@ -52,7 +52,9 @@ from remat_search.report.results import (
     settlement,
 )
 from remat_search.plans.plan import RematPlan
-from remat_search.store.attributes import FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SPEC_ATTR
+from remat_search.store.attributes import (
+    FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SETTINGS_ATTR, SPEC_ATTR,
+)
 from remat_search.store.reading import Reader, read_only
 from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
@@ -100,6 +102,14 @@ class StoredStudy:
         (``spec.configuration``): its trials' plans each carry a configuration."""
         searched = self.attrs.get(SPEC_ATTR)
         return isinstance(searched, dict) and bool(searched.get("configuration"))
+
+    @property
+    def gradient_tolerance(self) -> float | None:
+        """The ``gradient_tolerance`` the study's last search held first steps to, in place of the
+        check's measured threshold (None: the measured threshold)."""
+        settings = self.attrs.get(SETTINGS_ATTR)
+        tolerance = settings.get("gradient_tolerance") if isinstance(settings, dict) else None
+        return float(tolerance) if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) else None
 
     def settlement(self) -> Settlement:
         """What the study's latest confirmation settled (empty if none)."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from remat_search.units import format_bytes, format_duration, format_seconds, size_argument
 
 if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads studies comes with its data
+    from remat_search.measure.check import GradientCheck
     from remat_search.measure.measurement import MemoryBreakdown, RawMeasurement
     from remat_search.report.queries import StudySummary
     from remat_search.report.results import Settlement, TrialResult
@@ -280,9 +281,23 @@ def ran_on(m: Any, device: dict[str, Any] | None) -> str:
             f"peak per host: {peaks}")
 
 
-def describe_trial(t: TrialResult, device: dict[str, Any] | None = None) -> str:
+def check_lines(c: GradientCheck, tolerance: float | None) -> list[str]:
+    """The check of a trial's first step, in lines: what was compared, the figures beside their
+    thresholds, and what the thresholds were made of."""
+    failure = c.failure(tolerance)
+    return [
+        f"  first step vs full remat's: {c.compared}, {c.arrays} arrays: " + ("passed" if failure is None else "FAILED"),
+        f"    worst array {c.leaf}: {c.leaf_error:.2e} of threshold {c.leaf_threshold:.2e}; largest error {c.max_error:.2e}; "
+        f"all arrays {c.tree_error:.2e} of {c.tree_threshold:.2e}; loss {c.loss_error:.2e} of {c.loss_threshold:.2e} (norm-relative)",
+        f"    threshold: {c.threshold_text(tolerance)}"
+        + ("" if c.reproducible else "; the reference is NOT reproducible"),
+    ]
+
+
+def describe_trial(t: TrialResult, device: dict[str, Any] | None = None, tolerance: float | None = None) -> str:
     """A multi-line account of one trial: per-layer plan and the whole measurement; with the
-    study's ``device`` (as stored), where it ran: how many hosts and devices."""
+    study's ``device`` (as stored), where it ran: how many hosts and devices; its first step's
+    check against the study's ``gradient_tolerance`` (None: the measured threshold)."""
     from remat_search.measure.measurement import relative_spread
 
     lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
@@ -382,9 +397,11 @@ def describe_trial(t: TrialResult, device: dict[str, Any] | None = None) -> str:
     if m and m.program_digest:
         lines.append(f"  program digest: {m.program_digest}"
                      + (f" (run as plan {m.same_program_as})" if m.same_program_as else ""))
-    if m and m.grad_rel_error is not None:
+    if m and m.grad_check is not None:
+        lines += check_lines(m.grad_check, tolerance)
+    elif m and m.grad_rel_error is not None:  # measured before the check compared gradients (schema 12 and before)
         checked = "first step (state change and loss) vs full remat's" if m.grad_reference == "full" else "gradients vs no remat"
-        lines.append(f"  {checked}: max abs error {m.grad_max_abs_error:.2e}, relative {m.grad_rel_error:.2e}")
+        lines.append(f"  {checked}: relative error {m.grad_rel_error:.2e} (max |Δ − Δref| / max |Δref|)")
     if m and m.grad_skipped:
         lines.append(f"  gradients not checked: {m.grad_skipped}")
     if t.error:

@@ -267,7 +267,7 @@ class SliceRunner:
             self._info = info
         return self._info
 
-    def measure(self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float,
+    def measure(self, plan: RematPlan, *, budget: int, timing: TimingConfig, gradient_tolerance: float | None,
                 known: Any = None) -> Measurement:
         """Measure ``plan`` on every process; their measurements merged (:func:`merged`). A
         plan measured alike elsewhere (``known``) is not asked for: every process must run

@@ -23,7 +23,7 @@ from remat_search.measure.device import DeviceInfo
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import SearchSpec
 from remat_search.store.liveness import finished_trials
-from remat_search.store.attributes import SPEC_ATTR
+from remat_search.store.attributes import SETTINGS_ATTR, SPEC_ATTR
 from remat_search.units import size_argument
 
 # Fields a study is tied to: resuming with others would mix incomparable trials.
@@ -31,7 +31,6 @@ IDENTITY_FIELDS = ("workload", "space", "budget", "target", "mesh", "configurati
 DEVICE_IDENTITY = ("platform", "device_kind", "device_count", "mesh", "device_order", "workload_fingerprint")
 # How the study's last search measured (kept so that `plan --measure` and `confirm` measure alike).
 SETTINGS_FIELDS = ("timing", "worker_memory", "gradient_tolerance", "prescreen", "compilation_cache", "sampler")
-SETTINGS_ATTR = "settings"
 FIXED_SETTINGS = ("timing.anchor", "gradient_tolerance")
 """Settings a resumed search may not change: ``timing.anchor`` decides what a trial's step time
 is (a ratio to the anchor in the study's anchor seconds, or seconds alone) and

@@ -357,11 +357,11 @@ class SearchSpec(Frozen):
     """Host memory (resident bytes) the worker process may use, e.g. ``8GiB`` (null: no limit).
     The search watches it and kills a worker past it: that candidate fails ("worker exceeded
     its host memory limit") and the next gets a fresh worker, before the host itself runs out."""
-    gradient_tolerance: PositiveFloat = 1e-3
-    """How far a plan's first step may differ from the reference's (full remat, on the same
-    fresh inputs): max over the training state's arrays and the loss of
-    max |Δ − Δref| / max |Δref|, where Δ is the change the step made to the array (the loss
-    itself for the loss). Beyond it, the trial fails."""
+    gradient_tolerance: PositiveFloat | None = None
+    """How far a plan's first-step gradients (and loss) may differ from the reference's (full
+    remat, on the same fresh inputs), norm-relative, per array and over all of them, in place of
+    the threshold measured on the reference (null, the default: ``CHECK_FACTOR`` × the rounding
+    and rerun noise of full remat's own step; see ``measure.check``). Beyond it, the trial fails."""
     confirm: ConfirmConfig = ConfirmConfig()
     prescreen: float | None = Field(default=1.2, gt=1)
     """Record a plan over budget without compiling it when the study's cost model (see

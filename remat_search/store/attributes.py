@@ -42,6 +42,9 @@ SPEC_ATTR = "spec"
 """The spec a study was last submitted or searched with, without its storage URL: what a
 worker needs to measure it (``search.study.spec_of_submitted``)."""
 LABELS_ATTR = "labels"
+SETTINGS_ATTR = "settings"
+"""How the study's last search measured (``search.study.SETTINGS_FIELDS``): its timing, its
+``gradient_tolerance`` (null: the check's measured threshold), …"""
 INTERRUPTED = "interrupted"
 CONFIRMATION_ATTR = "confirmation"
 SETTLED_ATTR = "confirmation_settled"

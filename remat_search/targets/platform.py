@@ -62,6 +62,25 @@ def compiler_options(platform: str) -> dict[str, str]:
     return dict(CPU_COMPILER_OPTIONS) if is_cpu(platform) else {}
 
 
+MANTISSA_BITS = {"f64": 52, "float64": 52, "f32": 23, "float32": 23, "tf32": 10, "f16": 10, "float16": 10,
+                 "bf16": 7, "bfloat16": 7, "f8E4M3FN": 3, "f8E4M3": 3, "float8_e4m3fn": 3, "f8E5M2": 2, "float8_e5m2": 2}
+"""Stored mantissa bits of the floating types a matmul's operands may have, by StableHLO's and NumPy's names."""
+
+
+def unit_roundoff(dtype: str, precision: str, platform: str) -> float:
+    """The unit roundoff (half the gap between 1 and the next number) of a matmul of ``dtype``
+    operands at ``precision`` (StableHLO's ``DEFAULT``, ``HIGH``, ``HIGHEST``) as ``platform``
+    computes it: float32 at ``DEFAULT`` runs one bfloat16 pass on a TPU and TF32 on a GPU's tensor
+    cores (XLA's defaults), ``HIGH`` three bfloat16 passes on a TPU (about 16 bits); otherwise the
+    dtype's own. An unknown dtype reads as float32."""
+    bits = MANTISSA_BITS.get(dtype, 23)
+    if bits == 23 and precision == "DEFAULT" and (is_tpu(platform) or is_gpu(platform)):
+        bits = 7 if is_tpu(platform) else 10
+    elif bits == 23 and precision == "HIGH" and is_tpu(platform):
+        bits = 16
+    return 2.0 ** -(bits + 1)
+
+
 def compiler_package_names(platform: str) -> tuple[str, ...]:
     """The packages whose versions say what compiles plans for ``platform``: jaxlib (XLA, whose
     CPU compiler it carries), libtpu for TPU, the CUDA plugins for GPU."""
