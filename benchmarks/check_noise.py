@@ -8,6 +8,8 @@ measured for them, by dtype and mesh, and the wrong-training models' figures.
 2. MaxText's own program (the tiny decoder of ``tests/workloads/test_maxtext.py``, bfloat16
    matmuls, float32 weights, MaxText's AdamW), its three choices (needs the ``maxtext`` extra).
 3. The redrawing models (``tests.factories.RedrawingMlp``), every plan, on one and four devices.
+4. The rounding probe's linearity: full remat's gradients on inputs nudged by ``1 ± δ`` against
+   its own, at several δ, and scaled to the unit roundoff ``u`` as the check scales them.
 
     python benchmarks/check_noise.py [--skip-maxtext]
 
@@ -69,6 +71,27 @@ def _maxtext(folder: Path) -> object:
     )
 
 
+def linearity() -> None:
+    from remat_search.measure.check import errors, first_step, nudged
+    from remat_search.measure.executables import Executables
+    from remat_search.spec.workloads import TransformerConfig
+    from remat_search.workloads.base import build_workload
+
+    print("| dtype | δ = 2⁻⁸ | 2⁻⁶ | 2⁻⁴ (the check's) | 2⁻³ | each scaled to u: 2⁻⁸ | 2⁻⁶ | 2⁻⁴ | 2⁻³ |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype, u in (("float32", 2.0**-24), ("bfloat16", 2.0**-8)):
+        executables = Executables(build_workload(TransformerConfig(**{**CHECK_WORKLOAD, "dtype": dtype})))
+        full = executables.build(executables.anchor_plan).executable
+        _, reference = first_step(full, executables.inputs(), executables.carriers)
+        seen: list[float] = []
+        for e in (8, 6, 4, 3):
+            _, probe = first_step(full, nudged(executables.inputs(), size=2.0**-e), executables.carriers)
+            seen.append(errors(probe, reference).tree)
+        scaled = [f * u / 2.0**-e for f, e in zip(seen, (8, 6, 4, 3), strict=True)]
+        print(f"| {dtype} | " + " | ".join(f"{f:.3g}" for f in seen) + " | " + " | ".join(f"{f:.2e}" for f in scaled) + " |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-maxtext", action="store_true")
@@ -87,6 +110,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             print(_row("MaxText's tiny decoder, one CPU device", "bfloat16 (float32 weights)", _maxtext(Path(folder))), flush=True)
 
+    print("\nThe rounding probe, over all arrays (the transformer above, one CPU device):\n")
+    linearity()
     print("\nThe redrawing models, every plan (full remat run twice differs: the reference is not reproducible):\n")
     print("| model | dtype | devices | plans failed | rerun (range) | rounding (range) | rerun / rounding (least) |")
     print("|---|---|---|---|---|---|---|")

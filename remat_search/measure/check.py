@@ -79,6 +79,7 @@ def gradient_carriers(state: Any) -> Carriers:
 
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     keys = [[_key_name(k) for k in path] for path, _ in flat]
+    keys = [names[:-1] if names[-1:] == ["value"] else names for names in keys]  # an NNX variable's own `.value`
     for moment in MOMENTS:
         chosen = [i for i, names in enumerate(keys) if moment in names and _floating(flat[i][1])]
         if chosen:
@@ -317,22 +318,22 @@ def first_step(executable: Any, inputs: tuple[Any, Any], carriers: Carriers) -> 
     return (state, batch), FirstStep(gradients=gradients, loss=float(on_host(loss)))
 
 
-def nudged(inputs: tuple[Any, Any], *, seed: int = PROBE_SEED) -> tuple[Any, Any]:
-    """``inputs`` with each floating array multiplied by ``1 ± PERTURBATION`` (random signs, from
+def nudged(inputs: tuple[Any, Any], *, size: float = PERTURBATION, seed: int = PROBE_SEED) -> tuple[Any, Any]:
+    """``inputs`` with each floating array multiplied by ``1 ± size`` (random signs, from
     ``seed``, the same whatever the sharding), in its own dtype and shardings: the rounding
     probe's inputs. On a slice every process calls it at once."""
     import jax
     import jax.numpy as jnp
 
     leaves, treedef = jax.tree.flatten(inputs)
+    floats = [i for i, a in enumerate(leaves) if _floating(a)]  # the others (keys, counts, tokens) stay as they are
 
-    def nudge(leaves: list[Any]) -> list[Any]:
-        keys = jax.random.split(jax.random.key(seed), len(leaves))
-        return [
-            (a.astype(jnp.float32) * (1 + PERTURBATION * jax.random.rademacher(k, a.shape, jnp.float32))).astype(a.dtype)
-            if _floating(a) else a
-            for a, k in zip(leaves, keys, strict=True)
-        ]
+    def nudge(arrays: list[Any]) -> list[Any]:
+        keys = jax.random.split(jax.random.key(seed), len(arrays))
+        return [(a.astype(jnp.float32) * (1 + size * jax.random.rademacher(k, a.shape, jnp.float32))).astype(a.dtype)
+                for a, k in zip(arrays, keys, strict=True)]
 
-    out = jax.jit(nudge, out_shardings=[a.sharding for a in leaves], donate_argnums=0)(leaves)
-    return jax.tree.unflatten(treedef, out)
+    out = jax.jit(nudge, out_shardings=[leaves[i].sharding for i in floats], donate_argnums=0)([leaves[i] for i in floats])
+    for i, a in zip(floats, out, strict=True):
+        leaves[i] = a
+    return jax.tree.unflatten(treedef, leaves)
