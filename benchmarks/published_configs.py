@@ -36,7 +36,6 @@ import argparse
 import importlib.metadata
 import math
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -55,7 +54,6 @@ from remat_search.units import format_bytes
 HERE = Path(__file__).resolve().parent
 DB = HERE / "results" / "studies" / "published_maxtext.db"
 PAGE = HERE / "results" / "published_configs.md"
-LOOKALIKE = HERE / "results" / "published_lookalike.md"
 QKV = ["query_proj", "key_proj", "value_proj"]
 
 MODEL_2023 = {
@@ -106,7 +104,7 @@ V6E_LLAMA31_70B_FLAGS = " ".join([DENSE_VMEM_LIMIT, LAYOUT_FOR_ALL_REDUCE_SCATTE
 V6E_GPT3_FLAGS = " ".join([DENSE_VMEM_LIMIT, DATA_PARALLEL_OVERLAP, "--xla_tpu_use_bundle_aware_cost_model_for_fusions=false"])
 """The v6e recipes' flags but :data:`CF_FOR_ALL_GATHER`: libtpu 0.0.50 refuses its continuation fusion
 for all-gathers on a v6e ("not supported/recommended on platforms other than TPU v5e"), which 0.0.42
-compiled (the look-alike's page)."""
+compiled."""
 
 FULL, MINIMAL = "full", {"label": "minimal", "names": [*QKV, "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo"]}
 SAVE_QKV = {"label": "save_qkv_proj", "names": QKV}
@@ -308,14 +306,6 @@ def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
     return None
 
 
-def lookalike_ratios() -> dict[str, str]:
-    """The look-alike decoder's estimate / published, by run, from its kept page (jax 0.10)."""
-    if not LOOKALIKE.exists():
-        return {}
-    found = re.findall(r"^\| (v[\w.-]+) \|.*?\| \*\*([0-9.]+)\*\* \|", LOOKALIKE.read_text(), flags=re.M)
-    return dict(found)
-
-
 GROUPS = {"v5": ("v5e", "v5p"), "v6e": ("v6e",)}
 """The calibrations by chip (``PROGRAMS/<group>.json``): v5e and v5p together (three runs each),
 v6e alone; ``all`` (``calibration.json``) is one set of figures for every generation."""
@@ -348,7 +338,7 @@ def published_calibration() -> dict[str, Any]:
 
 
 def page(results: list[tuple[Run, StudyReport, float]], command: str, calibrations: dict[str, Any]) -> str:
-    ratios, looks, samples_only = {}, lookalike_ratios(), []
+    ratios, samples_only = {}, []
     left_out = {s.label: s for name, c in calibrations.items() if name != "all" for s in c.samples}
     one = {s.label: s for s in calibrations["all"].samples} if calibrations else {}
     fidelity, quality, every = [], [], []
@@ -370,8 +360,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
             f"{run.published} | {step:.2f} s | {peak} of {format_bytes(report.budget)}: {'fits' if fits else '**no**'} | "
             + (f"{est:.2f} s | **{est / step:.3f}**" if est is not None else "— | —")
             + (f" | {loo.loo_seconds:.2f} s | **{loo.loo_seconds / step:.3f}**" if loo is not None else " | — | —")
-            + (f" | {loo_all.loo_seconds / step:.3f}" if loo_all is not None else " | —")
-            + f" | {looks.get(run.name, '—')} |")
+            + (f" | {loo_all.loo_seconds / step:.3f} |" if loo_all is not None else " | — |"))
         if run.trials == 1:  # a fidelity sample: its published configuration alone, nothing searched
             samples_only.append(run.name)
         timed = [t for t in report.timed() if status(t, report) == "measured"] if run.trials > 1 else []
@@ -409,14 +398,13 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "beside them, each published configuration's estimate **calibrated leave-one-out**: the model's free figures "
         "fitted (`remat-search calibrate`) on the other published runs of its chip's group (v5e and v5p together; v6e) "
         "and their steps (`published_programs/`: `v5.json`, `v6e.json`), then priced on this one; beside it, the same of "
-        "one calibration of every run (`calibration.json`). "
-        "The look-alike decoder's ratios (`published_lookalike.md`, jax 0.10, kept for one release) stand beside them.\n",
+        "one calibration of every run (`calibration.json`).\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
         "![estimate / published step, each run](published_configs.png)\n",
         "| run | chips | batch a chip × tokens | mesh | remat | published | published step | compiled peak a chip | "
         "estimated step | est. / published | calibrated, left out | its / published | one calibration of all, left out / "
-        "published | look-alike's est. / published |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *fidelity, "",
         (f"Estimate / published over {len(values)} runs: min {values[0]:.3f}, median {statistics.median(values):.3f}, "
          f"max {values[-1]:.3f} (spread {values[-1] - values[0]:.3f}); within ±15%: {within} of {len(values)}.\n"
@@ -496,9 +484,8 @@ def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> li
     ]
 
 
-def plot(ratios: dict[str, float], looks: dict[str, str], path: Path) -> None:
-    """Each run's estimate / published step, MaxText's program beside the look-alike's, the
-    ±15% band shaded."""
+def plot(ratios: dict[str, float], path: Path) -> None:
+    """Each run's estimate / published step, the ±15% band shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -509,9 +496,7 @@ def plot(ratios: dict[str, float], looks: dict[str, str], path: Path) -> None:
     ax.axhspan(0.85, 1.15, color="0.92", label="within ±15%")
     ax.axhline(1.0, color="0.5", lw=0.8)
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [ratios[n] for n in names], width=0.4, label="MaxText's program (kind: maxtext)")
-    ax.bar([i + 0.2 for i in x], [float(looks[n]) if n in looks else 0 for n in names], width=0.4,
-           label="look-alike decoder (jax 0.10)", color="0.65")
+    ax.bar(list(x), [ratios[n] for n in names], width=0.6, label="MaxText's program (kind: maxtext)")
     ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("estimated / published step")
     ax.set_ylim(0, max([1.3, *ratios.values()]))
@@ -597,7 +582,7 @@ def main() -> None:
     ratios = {run.name: t.measurement.estimate.seconds / published_step(run) for run, report, _ in results
               if (t := published_trial(run, report)) is not None and t.measurement and t.measurement.estimate}
     if ratios:
-        plot(ratios, lookalike_ratios(), PAGE.with_suffix(".png"))
+        plot(ratios, PAGE.with_suffix(".png"))
     print(f"wrote {PAGE}")
 
 

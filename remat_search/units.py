@@ -8,13 +8,21 @@ pydantic turns into a field error and the CLI into a one-line message.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Annotated
 
 from pydantic import BeforeValidator, ByteSize, TypeAdapter, ValidationError
 
-_BYTE_SIZE = TypeAdapter(ByteSize)
+
+@functools.cache
+def _byte_size() -> TypeAdapter[ByteSize]:
+    """pydantic's reader of byte sizes, built when a size is first read (not on import: the
+    CLI's ``--help`` imports this module and reads none)."""
+    return TypeAdapter(ByteSize)
+
+
 _SIZE = re.compile(r"\s*(\d*\.?\d+)\s*[A-Za-z]*\s*")
 """A size as ByteSize reads one, whole: it reads a number and a unit from the start of its text
 and leaves whatever follows unread."""
@@ -39,7 +47,7 @@ def parse_bytes(value: object) -> int:
         if isinstance(value, str) and not _SIZE.fullmatch(value):  # ByteSize reads "32GB/h" as 32GB
             raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
         try:
-            number = _float(_BYTE_SIZE.validate_python(value))
+            number = _float(_byte_size().validate_python(value))
         except ValidationError:
             raise ValueError(f"expected {BYTES_EXPECTED}, got {value!r}") from None
         except OverflowError:  # ByteSize's own int(float("1e400") * unit)

@@ -107,10 +107,10 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
     narrow = _narrow()
     columns = {
         "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _NUMBER, "spread": _NUMBER,
-        "GFLOP": _NUMBER, "status": _STATUS,
+        "XLA GFLOP": _NUMBER, "status": _STATUS,
     }
     if narrow:
-        del columns["spread"], columns["GFLOP"]
+        del columns["spread"], columns["XLA GFLOP"]
     table = _table(title, columns)
     for t in trials:
         m = t.measurement
@@ -133,11 +133,11 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             "peak": peak,
             "step": step_text(t),
             "spread": _spread(t),
-            "GFLOP": gflop_text(m.flops) if m and m.flops is not None else "—",
+            "XLA GFLOP": gflop_text(m.flops) if m and m.flops is not None else "—",
             "status": Text(status, style=_STATUS_STYLE.get(t.status, "")),  # Text: an error's brackets are not markup
         }
         table.add_row(*(cells[c] for c in columns))
-    table.caption = TIME_NOTE + ("" if narrow else "; " + SPREAD_NOTE)
+    table.caption = TIME_NOTE + ("" if narrow else "; " + SPREAD_NOTE + "; " + FLOP_NOTE)
     table.caption_justify = "left"
     return table
 
@@ -149,6 +149,12 @@ TIME_NOTE = (
 SPREAD_NOTE = (
     "spread ±x%: half the (max − min) / median range of the repeats behind the step (the trial's "
     "timed repeats, or its re-timed rounds where confirmed; of the ratios to the anchor where anchored)"
+)
+
+
+FLOP_NOTE = (
+    "XLA GFLOP: XLA's cost analysis of one chip's program, which counts a loop's body once (a scanned "
+    "model's layers, an accumulated step's micro-steps: once); a TPU estimate's own count is in show --trial"
 )
 
 
@@ -234,21 +240,24 @@ def advice_table(advice: Advice) -> Group:
     return Group(header, table)
 
 
-def progress_lines(p: Progress, study: str, *, budget_given: bool = True, budget_text: str | None = None) -> list[str]:
+def progress_lines(
+    p: Progress, study: str, *, budget_given: bool = True, budget_text: str | None = None, configurations: bool = False,
+) -> list[str]:
     """What a search's or a confirmation's event says, as lines (a trial's: :func:`report.text.trial_line`).
     ``budget_given``: the spec gave the budget in bytes (already echoed), else the budget the
-    search resolved is said here, beside ``budget_text`` as the spec wrote it (``70%``, ``device``)."""
+    search resolved is said here, beside ``budget_text`` as the spec wrote it (``70%``, ``device``).
+    ``configurations``: the study searches meshes, so no one mesh is each candidate's."""
     if p.event == "start" and p.device is not None and p.budget is not None:
         d = p.device
         lines = [
             f"study {study}: {p.done}/{p.total} trials done; compiling for {d.target} = {d.device_count}× "
-            f"{d.device_kind}" + (f", mesh {d.mesh}" if d.mesh else "")
+            f"{d.device_kind}" + (", each candidate's own mesh" if configurations else f", mesh {d.mesh}" if d.mesh else "")
             + ("" if d.executes else " (compile only: step times are estimated from the compiled program)")
         ]
         if d.workload_note:
             lines.append(d.workload_note)
         if d.shardings:
-            lines.append(sharding_line(d.mesh, d.shardings, d.device_order))
+            lines.append(sharding_line(d.mesh, d.shardings, d.device_order, per_candidate=configurations))
         if not budget_given:
             lines.append(budget_line(budget_text, p.budget))
         if p.done >= p.total:

@@ -203,7 +203,8 @@ def show(
     if stored.device.get("workload_note"):
         output.console.print(stored.device["workload_note"], highlight=False, markup=False)
     if stored.device.get("shardings"):
-        line = sharding_line(stored.device.get("mesh"), stored.device["shardings"], stored.device.get("device_order"))
+        line = sharding_line(stored.device.get("mesh"), stored.device["shardings"], stored.device.get("device_order"),
+                             per_candidate=stored.searches_configurations)
         output.console.print(line, highlight=False, markup=False)
     if report is not None and path is not None:
         _draw(report, path, layers=True)

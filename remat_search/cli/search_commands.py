@@ -133,7 +133,8 @@ def _search(loaded: Any, member: Any = None) -> Any:
         if p.event == "result":
             return [trial_line(p.trial, p.done, p.total)]
         return output.progress_lines(
-            p, loaded.study, budget_given=isinstance(loaded.budget, int), budget_text=loaded.budget_text
+            p, loaded.study, budget_given=isinstance(loaded.budget, int), budget_text=loaded.budget_text,
+            configurations=loaded.configuration is not None,
         )
 
     if not output.console.is_terminal:

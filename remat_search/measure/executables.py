@@ -175,19 +175,17 @@ class Executables:
     def _saved_reference(self) -> Reference | None:
         """The reference from the ``reference_store``; None where there is none (or none saved
         of this state's carrier shapes)."""
+        import jax
+
         if self.reference_store is None:
             return None
         with self.workload.tracing():
             state, _ = self.workload.abstract_inputs()
-        import jax
-
         leaves = jax.tree.leaves(state)
         return self.reference_store.load([tuple(leaves[i].shape) for i in self.carriers.indices])
 
     def inputs(self) -> tuple[Any, Any]:
         """Fresh ``(state, batch)`` on the devices (over the mesh, sharded): each step donates its state."""
-        import jax
-
         with self.workload.tracing():
             inputs = self.workload.inputs(INPUT_SEED)
             return inputs if self.mesh is None else placed(inputs, self.workload.input_shardings(self.mesh))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,12 +133,35 @@ def join(member: SliceMember, config: SliceConfig) -> None:
 
     if (jax.config.jax_platforms or "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _drop_gloo_lines()
         flag = f"--xla_cpu_collective_timeout_seconds={int(config.collective_timeout)}"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     jax.distributed.initialize(
         member.coordinator, member.processes, member.process_id,
         initialization_timeout=int(config.join_timeout), heartbeat_timeout_seconds=max(int(config.heartbeat_timeout), 1),
     )
+
+
+GLOO_LINE = b"[Gloo] "
+"""How gloo starts the line it prints on stdout each time a collective's processes connect
+(``[Gloo] Rank 0 is connected to 1 peer ranks. …``), whatever ``GLOO_LOG_LEVEL`` says."""
+
+
+def _drop_gloo_lines() -> None:
+    """This worker's stdout through a thread that drops gloo's lines (:data:`GLOO_LINE`) and
+    passes every other on: a slice's log says what the search does, not each connection."""
+    read, write = os.pipe()
+    out = os.dup(1)
+    os.dup2(write, 1)
+    os.close(write)
+
+    def forward() -> None:
+        with os.fdopen(read, "rb") as lines, os.fdopen(out, "wb", buffering=0) as sink:
+            for line in lines:
+                if not line.startswith(GLOO_LINE):
+                    sink.write(line)
+
+    threading.Thread(target=forward, daemon=True, name="remat-search-gloo-lines").start()
 
 
 class SliceDisagreement(RuntimeError):

@@ -7,7 +7,6 @@ worker ends with the search that started it (within :data:`PARENT_POLL_SECONDS`)
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import signal

@@ -31,8 +31,6 @@ study is read instead, so the answer is always :meth:`StudyReport.best`'s.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import functools
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -55,7 +53,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.store.attributes import (
     FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SETTINGS_ATTR, SPEC_ATTR,
 )
-from remat_search.store.reading import Reader, read_only
+from remat_search.store.reading import Reader, external_value, read_only, seconds_between
 from remat_search.store.storage import no_such_study, resolve_url
 from remat_search.units import format_bytes
 
@@ -176,9 +174,10 @@ class StoredStudy:
         return {number: found.get(i, {}) for i, number in rows}
 
     def count(self) -> dict[str, int]:
-        """How many trials are in each of optuna's states (``COMPLETE``: count)."""
+        """How many trials are in each of optuna's states (``COMPLETE``: count; the Enum column
+        reads back as the state's name, SQLite's text and PostgreSQL's enum alike)."""
         rows = self._rows("SELECT state, COUNT(*) FROM trials WHERE study_id = :study GROUP BY state")
-        return {_state(state): n for state, n in rows}
+        return {str(state): n for state, n in rows}
 
     def finished(self) -> list[float | None]:
         """The trials that count towards the spec's ``trials`` (as ``liveness.counts`` judges
@@ -191,7 +190,7 @@ class StoredStudy:
             "AND a.value_json NOT IN (:interrupted, 'null'))))",
             failure=FAILURE_ATTR, interrupted=json.dumps(INTERRUPTED),
         )
-        return [_seconds_between(start, end) for start, end in rows]
+        return [seconds_between(start, end) for start, end in rows]
 
     # --- the best plan and the front, from the objective values ---------------------------
     def best(self, budget: int) -> TrialResult:
@@ -363,7 +362,7 @@ class StoredStudy:
         wanted = [r[0] for r in rows if needs_params(attrs.get(r[0], {}))]
         params = self._params(wanted)
         return [
-            result_of(number, _state(state), attrs.get(i, {}), params.get(i, {}), self.confirmed.get(number))
+            result_of(number, str(state), attrs.get(i, {}), params.get(i, {}), self.confirmed.get(number))
             for i, number, state in rows
         ]
 
@@ -388,28 +387,6 @@ class StoredStudy:
 
     def _rows(self, sql: str, **params: Any) -> list[Sequence[Any]]:
         return self.connection.rows(sql, **{"study": self.study_id, **params})
-
-
-def external_value(value: float, distribution_json: str) -> object:
-    """A parameter as optuna gives it back (``distributions.json_to_distribution(...)
-    .to_external_repr(value)``): a categorical's choice by index, an integer as int, a float
-    as it is; both of optuna's JSON forms of a distribution are read."""
-    kind, choices = _distribution(distribution_json)
-    if kind in ("CategoricalDistribution", "categorical"):
-        return choices[int(value)]
-    if kind in ("IntDistribution", "IntUniformDistribution", "IntLogUniformDistribution", "int"):
-        return int(value)
-    return value
-
-
-@functools.lru_cache(maxsize=256)
-def _distribution(distribution_json: str) -> tuple[str | None, tuple[Any, ...]]:
-    """A distribution's kind and (a categorical's) choices, parsed once a text: a study's
-    trials share a few distributions, stored again with every parameter."""
-    d = json.loads(distribution_json)
-    kind = d.get("name") or d.get("type")
-    categorical = kind in ("CategoricalDistribution", "categorical")
-    return kind, tuple(d.get("attributes", d)["choices"]) if categorical else ()
 
 
 @contextlib.contextmanager
@@ -441,21 +418,6 @@ def _stored(connection: Reader, name: str, url: str) -> StoredStudy:
     found = found[0]
     rows = connection.rows("SELECT key, value_json FROM study_user_attributes WHERE study_id = :study", study=found[0])
     return StoredStudy(connection, found[0], name, {key: json.loads(value) for key, value in rows})
-
-
-def _state(stored: Any) -> str:
-    """optuna's trial state by name, as its Enum column holds it (SQLite's text and
-    PostgreSQL's enum alike read back as the name)."""
-    return str(stored)
-
-
-def _seconds_between(start: Any, end: Any) -> float | None:
-    """Seconds from ``start`` to ``end``, optuna's datetime columns as read back (a datetime
-    from PostgreSQL, its ISO text from SQLite); None if either is missing."""
-    if start is None or end is None:
-        return None
-    times = [t if isinstance(t, datetime.datetime) else datetime.datetime.fromisoformat(str(t)) for t in (start, end)]
-    return max(0.0, (times[1] - times[0]).total_seconds())
 
 
 def _measured(t: TrialResult) -> bool:

@@ -147,9 +147,15 @@ def budget_line(written: str | None, budget: int) -> str:
     return f"budget {written} = {format_bytes(budget)}"
 
 
-def sharding_line(mesh: dict[str, int] | None, shardings: str, device_order: list[int] | None = None) -> str:
+def sharding_line(
+    mesh: dict[str, int] | None, shardings: str, device_order: list[int] | None = None, *, per_candidate: bool = False,
+) -> str:
     """Where the state's shardings over the mesh came from, and the order of the devices over it
-    (``DeviceInfo.device_order``; None: their id order), in a line (``run`` and ``show``)."""
+    (``DeviceInfo.device_order``; None: their id order), in a line (``run`` and ``show``).
+    ``per_candidate``: the study searches meshes (``spec.configuration``), so each candidate's
+    state is sharded over its own mesh, not over ``mesh`` (the target's default)."""
+    if per_candidate:
+        return f"shardings over each candidate's own mesh (its configuration's): {shardings}"
     if device_order is None:
         devices = "devices in id order"
     else:
@@ -329,7 +335,8 @@ def describe_trial(t: TrialResult, device: dict[str, Any] | None = None, toleran
                 f"{format_bytes(mem.host_alias)} + temp {format_bytes(mem.host_temp)} + code "
                 f"{format_bytes(mem.host_generated_code)} (not in the device peak)"
             )
-        lines.append(f"  compile {m.compile_seconds:.2f} s, {gflop_text(m.flops)} GFLOP" if m.flops else "")
+        lines.append(f"  compile {m.compile_seconds:.2f} s, {gflop_text(m.flops)} GFLOP by XLA's cost analysis "
+                     "(a loop's body counted once)" if m.flops else "")
     if m and m.estimated_seconds is not None:
         lines.append(_estimate_line(m))
     if t.plan is not None and t.plan.configuration is not None:

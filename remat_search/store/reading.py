@@ -1,10 +1,15 @@
 """The queries' read-only connection to a storage: plain SQL rows with named parameters,
 over the standard library's ``sqlite3`` for a SQLite file (no SQLAlchemy import, a quarter of
-a second of a query's wall time) and over SQLAlchemy otherwise; never through optuna."""
+a second of a query's wall time) and over SQLAlchemy otherwise; never through optuna. Optuna's
+columns as read back: a parameter's external value (:func:`external_value`), the seconds between
+two of its datetimes (:func:`seconds_between`)."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import json
 import re
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -109,3 +114,34 @@ def _sqlalchemy_rows(connection: sqlalchemy.Connection, sql: str, params: dict[s
             yield from (tuple(row) for row in batch)
     finally:
         result.close()
+
+
+def external_value(value: float, distribution_json: str) -> object:
+    """A parameter as optuna gives it back (``distributions.json_to_distribution(...)
+    .to_external_repr(value)``): a categorical's choice by index, an integer as int, a float
+    as it is; both of optuna's JSON forms of a distribution are read."""
+    kind, choices = _distribution(distribution_json)
+    if kind in ("CategoricalDistribution", "categorical"):
+        return choices[int(value)]
+    if kind in ("IntDistribution", "IntUniformDistribution", "IntLogUniformDistribution", "int"):
+        return int(value)
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _distribution(distribution_json: str) -> tuple[str | None, tuple[Any, ...]]:
+    """A distribution's kind and (a categorical's) choices, parsed once a text: a study's
+    trials share a few distributions, stored again with every parameter."""
+    d = json.loads(distribution_json)
+    kind = d.get("name") or d.get("type")
+    categorical = kind in ("CategoricalDistribution", "categorical")
+    return kind, tuple(d.get("attributes", d)["choices"]) if categorical else ()
+
+
+def seconds_between(start: Any, end: Any) -> float | None:
+    """Seconds from ``start`` to ``end``, optuna's datetime columns as read back (a datetime
+    from PostgreSQL, its ISO text from SQLite); None if either is missing."""
+    if start is None or end is None:
+        return None
+    times = [t if isinstance(t, datetime.datetime) else datetime.datetime.fromisoformat(str(t)) for t in (start, end)]
+    return max(0.0, (times[1] - times[0]).total_seconds())

@@ -11,7 +11,7 @@ from remat_search.errors import RunError, SpecError
 from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
-from remat_search.targets.platform import quiet_libtpu, tpu_chips_attached
+from remat_search.targets.platform import quiet_libtpu
 from remat_search.targets.calibration import load_calibration, with_band
 from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS
 from remat_search.targets.step_time import UNCALIBRATED, StepEstimate, estimate_step

@@ -145,7 +145,8 @@ def test_show_fits_the_terminal_and_cuts_no_cell(
     lines = out.splitlines()
     assert "…" not in out and max(map(len, lines)) <= columns, out
     header = next(line for line in lines if "┃ trial" in line)
-    assert ("spread" in header and "GFLOP" in header) == (columns == 200), header
+    assert ("spread" in header and "XLA GFLOP" in header) == (columns == 200), header
+    assert ("which counts a loop's body once" in " ".join(out.split())) == (columns == 200), out  # said what it counts
     rows: dict[int, list[list[str]]] = {}  # trial → its lines' cells
     for line in lines:
         cells = [c.strip() for c in line.split("│")[1:-1]]

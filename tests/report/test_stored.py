@@ -21,7 +21,8 @@ from remat_search.report.queries import list_studies
 from remat_search.report.results import StudyReport, study_report
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig
-from remat_search.report.stored import external_value, open_study
+from remat_search.report.stored import open_study
+from remat_search.store.reading import external_value
 
 from tests.conftest import CHOICES, REPO, TINY_TRANSFORMER, spec_dict
 from tests.factories import delayed

@@ -324,10 +324,11 @@ def test_bad_configurations_are_one_line_errors_and_nothing_is_written(
 
 
 @pytest.mark.slow  # compiles for a TPU topology
-def test_a_tpu_study_of_configurations_compiles_each_mesh_and_estimates_throughput(storage_url: str) -> None:
+def test_a_tpu_study_of_configurations_compiles_each_mesh_and_estimates_throughput(storage_url: str, cli: Any) -> None:
     """Over v5e:2x2 every candidate is compiled over its own mesh of the 4 chips at its batch:
     each has its own peak and estimate, its throughput is the global batch's tokens per chip
-    over that estimate, and the objective is the estimate per token per chip."""
+    over that estimate, and the objective is the estimate per token per chip. ``show`` says the
+    shardings are over each candidate's mesh, not the target's default (``data: 4``)."""
     model = {"kind": "transformer", "layers": 2, "d_model": 64, "heads": 2, "d_ff": 256, "seq_len": 128,
              "batch": 32, "vocab": 128, "attention": "dense"}
     spec = spec_dict(
@@ -345,3 +346,5 @@ def test_a_tpu_study_of_configurations_compiles_each_mesh_and_estimates_throughp
     assert all(t.time_estimated and t.throughput == 32 * 128 / 4 / t.seconds for t in report.trials)
     assert len({t.peak_bytes for t in report.trials}) == len({t.seconds for t in report.trials}) == 4
     assert all(s.values[0] == t.seconds / (32 * 128 / 4) for s, t in zip(study.trials, report.trials, strict=True))
+    shown = cli("show", "--study", "tiny", "--storage", storage_url).stdout
+    assert "shardings over each candidate's own mesh (its configuration's): " in shown and "shardings over mesh" not in shown
