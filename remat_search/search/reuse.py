@@ -10,6 +10,7 @@ its program's (:func:`known`).
 
 from __future__ import annotations
 
+import datetime
 from typing import NamedTuple
 
 import optuna
@@ -75,6 +76,11 @@ def stored(search: SearchState, trial: optuna.Trial, plan: RematPlan) -> Reused:
     ):
         return Reused()
     m = judge(hit.raw, budget=search.budget, gradient_tolerance=spec.gradient_tolerance)
+    if hit.study == spec.study and hit.trial == trial.number and _kept_since_it_started(search, trial, hit):
+        # This very trial, measured a moment ago by another search that popped it from the
+        # queue at once (optuna's ask races on a queued plan): that search's measurement is
+        # the trial's own, so it carries no mark of reuse; whichever search records it first wins.
+        return Reused(m)
     # this study's own earlier trial; not where a study of the same name was deleted and made
     # again, and the cache's trial is this one
     if hit.study == spec.study and hit.trial != trial.number and _plan_of(search.study, hit.trial) == plan.digest:
@@ -83,6 +89,15 @@ def stored(search: SearchState, trial: optuna.Trial, plan: RematPlan) -> Reused:
     cached_from = f"{hit.study}#{hit.trial}"
     trial.set_user_attr(CACHED_ATTR, cached_from)
     return Reused(m, cached_from=cached_from)
+
+
+def _kept_since_it_started(search: SearchState, trial: optuna.Trial, hit: cache.Cached) -> bool:
+    """Whether ``hit`` was kept after ``trial`` started (by another search that ran it too), not
+    by a study of the same name deleted and made again."""
+    started = search.storage.get_trial(search.trial_id(trial)).datetime_start
+    if hit.created is None or started is None:
+        return False
+    return hit.created >= started.astimezone(datetime.UTC).replace(tzinfo=None)  # optuna's: local time, naive
 
 
 def _plan_of(study: optuna.Study, number: int) -> str | None:

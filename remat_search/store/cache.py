@@ -120,11 +120,13 @@ def _layout_digest(device: DeviceInfo) -> str:
 
 
 class Cached(NamedTuple):
-    """A cached raw measurement, with the study and trial that measured it."""
+    """A cached raw measurement, with the study and trial that measured it, and when it was kept
+    (UTC; None where the database did not say)."""
 
     raw: RawMeasurement
     study: str
     trial: int
+    created: datetime.datetime | None = None
 
 
 def create_table(engine: sa.Engine) -> None:
@@ -262,7 +264,7 @@ def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | 
     (also where no search has made the table yet). Errors of the database (one that is
     locked, one that cannot be read) propagate: a plan is not measured again for them."""
     key = cache_key(device, plan_digest)
-    query = sa.select(measurements.c.measurement, measurements.c.study, measurements.c.trial).where(
+    query = sa.select(measurements.c.measurement, measurements.c.study, measurements.c.trial, measurements.c.created).where(
         *(measurements.c[column] == value for column, value in key.items())
     )
     with engine.connect() as connection:
@@ -271,7 +273,7 @@ def lookup(engine: sa.Engine, device: DeviceInfo, plan_digest: str) -> Cached | 
         row = connection.execute(query).first()
     if row is None:
         return None
-    return Cached(RawMeasurement.model_validate_json(row.measurement), row.study, row.trial)
+    return Cached(RawMeasurement.model_validate_json(row.measurement), row.study, row.trial, row.created)
 
 
 def store(engine: sa.Engine, device: DeviceInfo, m: Measurement, *, study: str, trial: int) -> None:

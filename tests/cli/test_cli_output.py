@@ -87,3 +87,16 @@ def test_help_shows_the_storage_home_the_process_resolves(tmp_path: Path) -> Non
     text = re.sub(r"-\s+", "-", " ".join(result.stdout.split()))  # a path may wrap at a hyphen
     assert f"Default: sqlite:///{tmp_path / 'h' / 'studies.db'} [env var: REMAT_SEARCH_STORAGE]" in text, text
     assert not (tmp_path / "h").exists()  # help writes nothing
+
+
+def test_help_imports_the_command_line_and_nothing_a_search_or_query_needs() -> None:
+    """``--help`` loads typer, rich and pydantic, not JAX, NumPy, optuna, SQLAlchemy, YAML or
+    matplotlib (each command imports what it runs when it runs): a user's first look is quick."""
+    import subprocess
+
+    heavy = ("jax", "numpy", "optuna", "sqlalchemy", "yaml", "matplotlib", "flax", "orbax")
+    script = ("import sys; from remat_search.cli.app import app; from typer.testing import CliRunner; "
+              "CliRunner().invoke(app, ['--help']); CliRunner().invoke(app, ['run', '--help']); "
+              f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sqlite3
@@ -472,3 +473,52 @@ def test_the_compiler_s_packages_key_the_cache_and_the_saved_reference() -> None
     assert reference_key(reference_parts(other_jaxlib, 2)) != reference_key(reference_parts(described, 2))
     resharded = described.model_copy(update={"sharding_digest": "another"})
     assert reference_key(reference_parts(resharded, 2)) != reference_key(reference_parts(described, 2))
+
+
+def test_a_trial_two_searches_popped_at_once_carries_no_mark_of_reuse_and_an_older_study_s_does(
+    storage_url: str,
+) -> None:
+    """Two searches on PostgreSQL may pop one queued trial at once (optuna's ``ask``): the one
+    that waited on the claim finds the other's measurement of this very trial, kept after the
+    trial started, and takes it as the trial's own, with no ``reused_from``/``cached_from``; a
+    measurement a deleted study of the same name kept for its trial of that number, before this
+    trial started, is marked as cached from there."""
+    import time
+
+    from remat_search.search import reuse
+    from remat_search.search.space import Space
+    from remat_search.search.state import SearchState
+    from remat_search.store.attributes import CACHED_ATTR, REUSED_ATTR
+    from remat_search.store.storage import open_storage
+
+    spec = parse_spec(spec_dict(storage_url, timing={"warmup": 1, "repeats": 2, "anchor": False}, confirm={"top": 0}))
+    storage = open_storage(storage_url, create=True)
+    cache.create_table(storage.engine)
+    plan = RematPlan.uniform("full", 2)
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=0, generated_code=0)
+    m = judge(RawMeasurement(plan_digest=plan.digest, memory=memory, time_source="measured", step_times=(0.1, 0.1),
+                             loss=1.0), budget=2**30)
+
+    def search() -> tuple[SearchState, optuna.Trial]:
+        study = optuna.create_study(study_name="tiny", storage=storage, directions=["minimize", "minimize"])
+        state = SearchState(spec, 2**30, study, Space.of(spec.space, 2), storage, CPU, lambda p: None)
+        return state, study.ask()
+
+    _, trial = search()  # a study of this name whose trial 0 kept its measurement, then deleted
+    cache.store(storage.engine, CPU, m, study="tiny", trial=trial.number)
+    optuna.delete_study(study_name="tiny", storage=storage)
+    time.sleep(0.05)
+    state, trial = search()
+    found = reuse.stored(state, trial, plan)
+    assert found.cached_from == "tiny#0" and trial.user_attrs[CACHED_ATTR] == "tiny#0"
+
+    optuna.delete_study(study_name="tiny", storage=storage)
+    state, trial = search()
+    with storage.engine.begin() as connection:  # kept now, by the other search measuring this very trial
+        connection.execute(cache.measurements.update().values(
+            measurement=m.raw.model_copy(update={"step_times": (0.2, 0.2)}).model_dump_json(),
+            created=datetime.datetime.now(datetime.UTC).replace(tzinfo=None), study="tiny", trial=trial.number))
+    found = reuse.stored(state, trial, plan)
+    assert found.measurement is not None and found.measurement.step_times == (0.2, 0.2)
+    assert found.reused_from is None and found.cached_from is None
+    assert not {REUSED_ATTR, CACHED_ATTR} & set(trial.user_attrs)

@@ -90,9 +90,8 @@ def test_two_searches_at_once_share_one_study_on_postgresql(tmp_path: Path, post
     ]
     assert len(measured) == len(set(measured)), measured
     # Each measurement in the cache was made by a complete trial of this study, of that plan,
-    # and each plan once. (A trial both searches popped from the queue at once may carry the
-    # reuse mark of the search that waited for it, while the other measured it: its plan is in
-    # the cache, measured by that trial, though the trial is not among `measured`.)
+    # and each plan once. (A trial both searches popped from the queue at once carries no mark
+    # of reuse: tests/store/test_cache.py.)
     cached = _query(postgres_url, "SELECT plan, study, trial FROM remat_search_measurements")
     trials_by_number = {t.number: t for t in study.trials}
     assert all(s == "pg-shared" and trials_by_number[n].state == TrialState.COMPLETE
