@@ -114,7 +114,8 @@ def test_no_correct_plan_fails_its_check_on_a_sharded_mesh_or_in_bfloat16(tmp_pa
     device, where every plan's gradients are full remat's to the bit, is
     ``tests/measure/test_measurement.py``'s (every preset) and the slice's in ``tests/search/test_slice.py``."""
     mesh = {"mesh": {"data": devices}} if devices > 1 else {}
-    report = search(tmp_path, devices, workload={**CHECK_WORKLOAD, "dtype": dtype}, **mesh)
+    untimed = {"warmup": 1, "repeats": 1, "anchor": False, "timeout": "300s"}  # the check is what is tested: no anchor steps
+    report = search(tmp_path, devices, workload={**CHECK_WORKLOAD, "dtype": dtype}, timing=untimed, **mesh)
     assert len(report.trials) == 10 and [t.status for t in report.trials] == ["measured"] * 10, [
         (t.plan.summary(), t.error) for t in report.trials if t.status != "measured"
     ]

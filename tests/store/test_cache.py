@@ -391,7 +391,7 @@ def test_a_measurement_of_another_schema_or_compiler_is_not_reused(tmp_path: Pat
     memory = MemoryBreakdown(argument=1, output=0, alias=0, temp=0, generated_code=0)
     m = Measurement(status="over_budget", plan_digest="plan", memory=memory)
     cache.store(engine, tpu, m, study="s", trial=0)
-    assert cache.lookup(engine, tpu, "plan") == (m.raw, "s", 0)
+    assert cache.lookup(engine, tpu, "plan")[:3] == (m.raw, "s", 0)
     flags = '{"LIBTPU_INIT_ARGS": "--xla_tpu_host_transfer_overlap_limit=24", "XLA_FLAGS": "", "options": {}}'
     for changed in ({"measurement_schema": MEASUREMENT_SCHEMA - 1}, {"compiler_version": "0.0.43"},
                     {"compiler_options": flags}):
