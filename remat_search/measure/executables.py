@@ -160,7 +160,8 @@ class Executables:
             _, first = first_step(step, self.inputs(), carriers)
             _, again = first_step(step, self.inputs(), carriers)
             _, probe = first_step(step, nudged(self.inputs()), carriers)
-            unit_roundoff, precision = anchor.precision or (2.0**-24, "float32 arrays")
+            assert anchor.precision is not None  # read as the anchor compiled (see _compile)
+            unit_roundoff, precision = anchor.precision
             self._reference = Reference(first, noise_of(first, again, probe, unit_roundoff=unit_roundoff, precision=precision))
             self.reference_from = "computed"
             # Saved from one host alone (a slice's processes would each need to take part in the save).
