@@ -45,7 +45,8 @@ from pydantic import BaseModel, ConfigDict
 
 CHECK_FACTOR = 4.0
 """How many times the measured noise (rounding + rerun) a correct plan's error may reach: correct
-plans read 0.4–0.9 of it (docs/how-it-works.md, "The check of the first step")."""
+plans reached at most 0.34 of the threshold it makes, in float32 and bfloat16, on one device,
+four and a slice (``benchmarks/results/check_noise.md``)."""
 PERTURBATION = 2.0**-4
 """The relative size of the rounding probe's nudge of each input: large enough that the
 gradients' response to it stands clear of a model's own run-to-run noise, small enough that

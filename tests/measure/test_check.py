@@ -19,7 +19,7 @@ import pytest
 
 import remat_search
 from remat_search.measure.check import (
-    CHECK_FACTOR, FirstStep, GradientCheck, Noise, check, errors, gradient_carriers, matmul_precision,
+    CHECK_FACTOR, Carriers, FirstStep, GradientCheck, Noise, check, errors, gradient_carriers, matmul_precision,
 )
 from remat_search.spec.loading import parse_spec
 
@@ -52,8 +52,6 @@ def test_the_threshold_is_the_factor_times_rounding_and_rerun_and_the_worst_arra
     reference = _step([3.0, 4.0], [1.0, 1.0])
     noise = Noise(rounding=(0.01, 0.002, 0.005, 0.0), rerun=(0.0, 0.0, 0.0, 0.0), unit_roundoff=2.0**-8,
                   precision="bfloat16 matmuls")
-    from remat_search.measure.check import Carriers
-
     carriers = Carriers((0, 1), ("a", "b"), "the gradients")
     passed = check(_step([3.0, 4.05], [1.0, 1.0]), reference, noise, carriers)  # 0.01 of a 0.04 threshold
     assert passed.failure() is None and passed.leaf == "a" and passed.leaf_threshold == pytest.approx(CHECK_FACTOR * 0.01)
