@@ -30,6 +30,7 @@ from remat_search.plans.plan import RematPlan
 from remat_search.store.attributes import MEASUREMENT_ATTR, PLAN_ATTR
 
 from .conftest import REPO, run_process, spec_dict, write_spec
+from .ports import free_port
 
 WORKLOAD = {"kind": "mlp", "layers": 3, "width": 32, "hidden": 64, "batch": 16}
 SPACE = {"layout": "per_layer", "choices": ["none", "full", "dots"]}
@@ -231,18 +232,7 @@ def slice_processes(
 
 def slice_port() -> int:
     """A free port whose next is free too: a slice's JAX job takes one, its searches the next."""
-    import socket
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+    return free_port(consecutive=2)
 
 
 SLICE_EXIT_SECONDS = 120.0

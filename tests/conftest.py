@@ -9,7 +9,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typer.testing import CliRunner
 
 from remat_search.cli import output
 from remat_search.cli.app import app
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRANSFORMER: dict[str, Any] = {
@@ -152,12 +152,6 @@ def _postgres_bin() -> Path | None:
     return found[-1].parent if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresUnavailable(Exception):
     """No PostgreSQL server can be started here (the reason)."""
 
@@ -190,7 +184,7 @@ def throwaway_postgres() -> Iterator[str]:
     if as_user:
         for path in (folder, sockets):
             shutil.chown(path, "postgres", "postgres")
-    port = _free_port()
+    port = free_port()
 
     def run(*command: str) -> None:
         done = subprocess.run([*as_user, *command], capture_output=True, text=True, timeout=120, check=False)

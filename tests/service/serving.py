@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.conftest import REPO
+from tests.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,6 @@ class Answer:
 
     def json(self) -> Any:
         return json.loads(self.body)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(*args: str) -> list[str]:

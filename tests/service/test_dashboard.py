@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import _free_port, spec_dict, write_spec
+from tests.conftest import spec_dict, write_spec
+from tests.ports import free_port
 from .services import Service, executable, get_json, started
 
 pytestmark = pytest.mark.slow  # starts optuna-dashboard
@@ -39,7 +40,7 @@ def searched(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def dashboard(searched: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Service]]:
     """``optuna-dashboard STORAGE --host 127.0.0.1 --port P`` as README says to run it: its URL."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("dashboard-log") / "dashboard.log"
     argv = [executable("optuna-dashboard"), searched, "--host", "127.0.0.1", "--port", str(port)]
     with started("optuna-dashboard", argv, log) as service:

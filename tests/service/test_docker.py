@@ -41,7 +41,8 @@ from remat_search.report.results import TrialResult
 from remat_search.store.liveness import counts
 from remat_search.units import format_bytes
 
-from tests.conftest import REPO, _free_port, create_database, spec_dict
+from tests.conftest import REPO, create_database, spec_dict
+from tests.ports import free_port
 from .services import Service, environment, executable, get_json, http, started
 
 pytestmark = pytest.mark.slow  # runs docker/'s commands as processes and resolves PyPI
@@ -498,7 +499,7 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
     (storage,) = local([arg for arg in services["worker"]["command"] if "://" in arg], compose_storage)
     home = {"REMAT_SEARCH_HOME": str(tmp_path / "home")}
     cli = [sys.executable, "-m", "remat_search.cli.app"]
-    api_port, dashboard_port = _free_port(), _free_port()
+    api_port, dashboard_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}"
     with ExitStack() as stack:
         serve = stack.enter_context(started(
@@ -525,7 +526,7 @@ def test_compose_services_run_as_local_processes(compose_storage: str, tmp_path:
         # where it should (a storage nothing answers at; below, a dashboard that has stopped)
         assert health_check(services["api"], compose_storage, {8000: api_port}, home) == 0
         assert health_check(services["worker"], compose_storage, {}, home) == 0
-        nowhere = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}"
+        nowhere = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}"
         assert health_check(services["worker"], nowhere, {}, home) != 0
 
         spec = spec_dict(storage, trials=4, confirm={"top": 0, "rounds": 2, "presets": False})

@@ -28,7 +28,8 @@ from remat_search.measure.slice import CHANNEL_PORT_OFFSET, PROCESS_ID_ENV
 from remat_search.plans.plan import RematPlan
 from remat_search.store.liveness import counts
 
-from tests.conftest import REPO, _free_port, create_database, spec_dict
+from tests.conftest import REPO, create_database, spec_dict
+from tests.ports import free_port
 from .services import get_json, http, started
 from .test_docker import TOKEN, _remat_search_commands, interpolate, only
 
@@ -219,7 +220,7 @@ def test_the_manifests_commands_run_as_local_processes(postgres_server: str, tmp
     the study and each exits 0 by itself; the API answers ``best``."""
     secrets = {"REMAT_SEARCH_TOKEN": TOKEN, "REMAT_SEARCH_STORAGE": create_database(postgres_server, "k8s")}
     cli = [sys.executable, "-m", "remat_search.cli.app"]
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}"
     home = {"REMAT_SEARCH_HOME": str(tmp_path / "home")}
     with ExitStack() as stack:

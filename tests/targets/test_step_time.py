@@ -446,7 +446,7 @@ def test_published_chips_price_the_host_link() -> None:
 @pytest.fixture(scope="module")
 def offloaded() -> dict[str, Measurement]:
     """A scanned 4-layer model on v5e 2x2, q/k/v offloaded, kept, or recomputed (three TPU compiles)."""
-    model = {"layers": 4, "d_model": 256, "heads": 4, "d_ff": 512, "seq_len": 256, "batch": 32, "scan": True,
+    model = {"layers": 4, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 128, "batch": 16, "scan": True,
              "attention": "flash"}
     offload = {"kind": "offload", "names": ["query_proj", "key_proj", "value_proj"]}
     keep = {"kind": "names", "names": ["query_proj", "key_proj", "value_proj"]}
@@ -461,9 +461,9 @@ def offloaded() -> dict[str, Measurement]:
 
 
 def test_offloaded_tensors_cross_the_host_link_both_ways(offloaded: dict[str, Measurement]) -> None:
-    # q, k and v of every layer: f32[batch / 4 chips, 256, 4 heads, 64] each, to a stacked
+    # q, k and v of every layer: f32[batch / 4 chips, 128, 4 heads, 32] each, to a stacked
     # buffer in host memory a layer at a time, and back in the backward loop.
-    each = 32 // 4 * 256 * 256 * 4
+    each = 16 // 4 * 128 * 128 * 4
     e = offloaded["offload"].estimate
     assert e.host_bytes == 2 * 4 * 3 * each
     assert e.host_wait_seconds > 0 and e.seconds > offloaded["keep"].estimate.seconds
