@@ -19,6 +19,7 @@ Prints Markdown tables (``benchmarks/results/check_noise.md`` keeps a run).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -96,6 +97,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-maxtext", action="store_true")
     args = parser.parse_args()
+    # A storage home of this run's own: a study keeps its reference (and its noise) under the
+    # home's artifacts/ and loads it in its next run; every figure here is measured afresh.
+    home = tempfile.TemporaryDirectory()
+    os.environ["REMAT_SEARCH_HOME"] = home.name
     print("| setting | dtype | trials | plans | failed | largest error (any array) | all arrays: worst error of threshold "
           "| worst array's error / its threshold | rounding | rerun |")
     print("|---|---|---|---|---|---|---|---|---|---|")

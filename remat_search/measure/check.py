@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 
 CHECK_FACTOR = 4.0
 """How many times the measured noise (rounding + rerun) a correct plan's error may reach: correct
-plans reached at most 0.34 of the threshold it makes, in float32 and bfloat16, on one device,
+plans reached at most 0.40 of the threshold it makes, in float32 and bfloat16, on one device,
 four and a slice (``benchmarks/results/check_noise.md``)."""
 PERTURBATION = 2.0**-4
 """The relative size of the rounding probe's nudge of each input: large enough that the
