@@ -25,7 +25,7 @@ from remat_search.measure.check import (
 from remat_search.spec.loading import parse_spec
 
 from tests.check_runs import redrawn, search
-from tests.conftest import CHECK_WORKLOAD, spec_dict
+from tests.conftest import CHECK_SHORT, CHECK_WORKLOAD, spec_dict
 
 def _step(*leaves: list[float], loss: float = 1.0) -> FirstStep:
     return FirstStep(tuple(np.asarray(leaf, np.float64) for leaf in leaves), loss)
@@ -88,6 +88,7 @@ def test_the_probe_nudges_every_floating_array_by_one_plus_or_minus_delta_and_no
     """Each float element times 1 + δ or 1 − δ (both signs in every array, about half each), in
     its own dtype; integer arrays as they were; the same signs on every call (it donates its
     inputs: fresh ones each)."""
+    import jax
     import jax.numpy as jnp
 
     def fresh() -> Any:
@@ -102,13 +103,7 @@ def test_the_probe_nudges_every_floating_array_by_one_plus_or_minus_delta_and_no
     assert once[0]["b"].dtype == jnp.bfloat16 and set(bias.tolist()) == {1 + PERTURBATION, 1 - PERTURBATION}
     assert (np.asarray(once[1]["step"]) == np.arange(7)).all()
     assert all((np.asarray(a, np.float64) == np.asarray(b, np.float64)).all()
-               for a, b in zip(jax_leaves(once), jax_leaves(again), strict=True))
-
-
-def jax_leaves(tree: Any) -> list[Any]:
-    import jax
-
-    return jax.tree.leaves(tree)
+               for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(again), strict=True))
 
 
 @pytest.mark.parametrize(("text", "platform", "expected"), [
@@ -132,10 +127,6 @@ def test_the_unit_roundoff_is_the_least_precise_matmul_s_as_the_platform_compute
 
 # --- the searches of the issue ----------------------------------------------------------------------------
 
-SHORT = 5
-"""Trials of each search here: on main c87a32a 5 trials of the four-device f32 search pass with
-chance 0.4⁵ ≈ 1 %, of a bfloat16 one 0.1⁵."""
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("devices", "dtype"), [(4, "float32"), (1, "bfloat16"), (4, "bfloat16")])
 def test_no_correct_plan_fails_its_check_on_a_sharded_mesh_or_in_bfloat16(tmp_path: Path, devices: int, dtype: str) -> None:
@@ -145,9 +136,9 @@ def test_no_correct_plan_fails_its_check_on_a_sharded_mesh_or_in_bfloat16(tmp_pa
     device, where every plan's gradients are full remat's to the bit, is
     ``tests/measure/test_measurement.py``'s (every preset) and the slice's in ``tests/search/test_slice.py``."""
     mesh = {"mesh": {"data": devices}} if devices > 1 else {}
-    untimed = {"warmup": 1, "repeats": 1, "anchor": False, "timeout": "300s"}  # the check is what is tested: no anchor steps
-    report = search(tmp_path, devices, workload={**CHECK_WORKLOAD, "dtype": dtype}, timing=untimed, trials=SHORT, **mesh)
-    assert len(report.trials) == SHORT and [t.status for t in report.trials] == ["measured"] * SHORT, [
+    report = search(tmp_path, devices, **{**CHECK_SHORT, "workload": {**CHECK_WORKLOAD, "dtype": dtype}}, **mesh)
+    trials = CHECK_SHORT["trials"]
+    assert len(report.trials) == trials and [t.status for t in report.trials] == ["measured"] * trials, [
         (t.plan.summary(), t.error) for t in report.trials if t.status != "measured"
     ]
     checks = _checked(report)

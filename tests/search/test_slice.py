@@ -22,7 +22,7 @@ from remat_search.search.slice import comparable, first_difference
 from remat_search.spec.loading import parse_spec
 
 from tests.chaos import chaos_slice, slice_port, slice_processes
-from tests.conftest import CHECK_SEARCH, spec_dict, write_spec
+from tests.conftest import CHECK_SHORT, spec_dict, write_spec
 
 pytestmark = pytest.mark.slow  # several processes as hosts
 
@@ -85,12 +85,12 @@ def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
 def test_on_a_slice_correct_plans_pass_their_check_and_a_model_whose_recomputation_differs_fails_every_plan(
     tmp_path: Path, workload: str,
 ) -> None:
-    """Issue 46's search (the transformer, the first 5 of its 10 TPE trials per layer) on 2 processes
-    × 2 devices: no plan fails (on main c87a32a, 6 of 10 did; ``benchmarks/check_noise.py`` runs all 10); a dropout mask drawn by XLA's stateful generator in
-    bfloat16 (``tests.factories:redrawing``): every plan fails, the reference not reproducible."""
+    """Issue 46's search (the transformer, TPE per layer, ``CHECK_SHORT``: the first 5 of its 10
+    trials) on 2 processes × 2 devices: no plan fails (on main c87a32a, 6 of 10 did); a dropout
+    mask drawn by XLA's stateful generator in bfloat16 (``tests.factories:redrawing``): every plan
+    fails, the reference not reproducible."""
     storage = f"sqlite:///{tmp_path / 'slice.db'}"
-    settings = ({**CHECK_SEARCH, "trials": 5, "mesh": {"data": 4}, "slice": SLICE,
-                                       "timing": {**CHECK_SEARCH["timing"], "anchor": False}} if workload == "transformer" else {
+    settings = ({**CHECK_SHORT, "mesh": {"data": 4}, "slice": SLICE} if workload == "transformer" else {
         **COMMON, "workload": {"factory": "tests.factories:redrawing", "args": {"redraw": "stateful_dropout", "dtype": "bfloat16"}},
         "confirm": {"top": 0},
     })
@@ -100,7 +100,7 @@ def test_on_a_slice_correct_plans_pass_their_check_and_a_model_whose_recomputati
     checks = [t.measurement.grad_check for t in report.trials if t.measurement and t.measurement.grad_check]
     assert len(report.trials) == settings["trials"] and len(checks) == len(report.trials)
     if workload == "transformer":
-        assert [t.status for t in report.trials] == ["measured"] * 5, [t.error for t in report.trials]
+        assert [t.status for t in report.trials] == ["measured"] * settings["trials"], [t.error for t in report.trials]
         assert all(c.failure() is None for c in checks) and 0 < max(c.max_error for c in checks) < 1e-5
     else:
         assert [t.status for t in report.trials] == ["failed"] * 3
