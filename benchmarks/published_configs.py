@@ -36,6 +36,7 @@ import argparse
 import importlib.metadata
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from typing import Any
 import optuna
 
 import remat_search
+from remat_search.measure.measurement import RawMeasurement, judge
 from remat_search.plans.configuration import BATCH_AXES
 from remat_search.report.results import StudyReport, TrialResult, rank
 from remat_search.spec.loading import parse_spec
@@ -156,6 +158,18 @@ class Run:
     @property
     def chip(self) -> str:
         return self.topology.split(":")[0]
+
+    @property
+    def family(self) -> str:
+        """The model it trains, whatever its chips (a calibration's leave-one-family-out leaves
+        its runs out together): ``llama3.1-70b``; MaxText's 2023 model by its size, ``2023-32b``."""
+        return family(self.name)
+
+
+def family(name: str) -> str:
+    """The model of the run named ``name`` (:attr:`Run.family`)."""
+    model = name.split("-", 1)[1]
+    return re.sub(r"-x\d+$", "", model) if not re.fullmatch(r"\d+b", model) else f"2023-{model}"
 
 
 def gps(scale: int) -> dict[str, Any]:
@@ -285,15 +299,34 @@ def search(run: Run, storage: str, trials: int, *, keep_programs: bool = False) 
             os.environ["LIBTPU_INIT_ARGS"] = before
 
 
+RE_READ: set[tuple[str, int]] = set()
+"""The trials (study, number) whose verdict :func:`reread` changed."""
+
+
+def reread(report: StudyReport) -> StudyReport:
+    """The study with each trial judged again under today's peak rule (``MemoryBreakdown.peak``).
+    A TPU program's breakdown keeps the HBM the compiler compiled it for since schema 14; the
+    studies kept before lack it, and their budget (``device``) is that HBM. A trial judged
+    before may be over the budget by a figure that reads within it now (the compiler compiled it,
+    so it fits), or the other way."""
+    trials = []
+    for t in report.trials:
+        m = t.measurement
+        if t.status not in ("measured", "over_budget") or m is None or m.memory is None or m.estimate is None:
+            trials.append(t)
+            continue
+        memory = m.memory if m.memory.hbm is not None else m.memory.model_copy(update={"hbm": report.budget})
+        raw = RawMeasurement(**{k: v for k, v in m if k in RawMeasurement.model_fields} | {"memory": memory})
+        now = judge(raw, budget=report.budget)
+        if now.status != t.status:
+            RE_READ.add((report.study, t.number))
+        trials.append(t.model_copy(update={"measurement": now, "status": now.status}))
+    return report.model_copy(update={"trials": tuple(trials)})
+
+
 def status(trial: TrialResult, report: StudyReport) -> str:
-    """The trial's verdict under today's peak rule: a trial judged before the rule read a TPU
-    compiler's host figure as the device's (``MemoryBreakdown.compiler_peak_is_host``) may be
-    over the budget by the breakdown sum that stands in for it now, or within it."""
-    m = trial.measurement
-    if trial.status not in ("measured", "over_budget") or m is None or m.memory is None or m.estimate is None:
-        return trial.status
-    now = "measured" if m.memory.peak <= report.budget else "over_budget"
-    return now if now == trial.status else f"{now} (re-read)"
+    """The trial's verdict, marked where :func:`reread` changed it."""
+    return trial.status + (" (re-read)" if (report.study, trial.number) in RE_READ else "")
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
@@ -360,10 +393,11 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
             f"{run.published} | {step:.2f} s | {peak} of {format_bytes(report.budget)}: {'fits' if fits else '**no**'} | "
             + (f"{est:.2f} s | **{est / step:.3f}**" if est is not None else "— | —")
             + (f" | {loo.loo_seconds:.2f} s | **{loo.loo_seconds / step:.3f}**" if loo is not None else " | — | —")
+            + (f" | {loo.lofo_seconds / step:.3f}" if loo is not None and loo.lofo_seconds else " | —")
             + (f" | {loo_all.loo_seconds / step:.3f} |" if loo_all is not None else " | — |"))
         if run.trials == 1:  # a fidelity sample: its published configuration alone, nothing searched
             samples_only.append(run.name)
-        timed = [t for t in report.timed() if status(t, report) == "measured"] if run.trials > 1 else []
+        timed = report.timed() if run.trials > 1 else []
         best = min(timed, key=rank) if timed else None
         base = pub.throughput if fits and pub is not None else None
         gain = f"{best.throughput / base - 1:+.1%}" if best is not None and base else "—"
@@ -397,14 +431,16 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "Every figure below is an **estimate** of the model. The searches' are uncalibrated (the datasheet's figures); "
         "beside them, each published configuration's estimate **calibrated leave-one-out**: the model's free figures "
         "fitted (`remat-search calibrate`) on the other published runs of its chip's group (v5e and v5p together; v6e) "
-        "and their steps (`published_programs/`: `v5.json`, `v6e.json`), then priced on this one; beside it, the same of "
-        "one calibration of every run (`calibration.json`).\n",
+        "and their steps (`published_programs/`: `v5.json`, `v6e.json`), then priced on this one; beside it, the same "
+        "**leave-one-family-out**: fitted on the runs of the group's other models alone (a model's runs at every chip "
+        "count left out together: `Run.family`), the error the bands a study prints are read from; then one "
+        "calibration of every run (`calibration.json`), left out one run at a time.\n",
         "## Fidelity: the published configuration's estimate against its published step\n",
         "![estimate / published step, each run](published_configs.png)\n",
         "| run | chips | batch a chip × tokens | mesh | remat | published | published step | compiled peak a chip | "
-        "estimated step | est. / published | calibrated, left out | its / published | one calibration of all, left out / "
-        "published |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "estimated step | est. / published | calibrated, left out | its / published | its family left out / published | "
+        "one calibration of all, left out / published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *fidelity, "",
         (f"Estimate / published over {len(values)} runs: min {values[0]:.3f}, median {statistics.median(values):.3f}, "
          f"max {values[-1]:.3f} (spread {values[-1] - values[0]:.3f}); within ±15%: {within} of {len(values)}.\n"
@@ -457,7 +493,8 @@ def host_peak_lines(results: list[tuple[Run, StudyReport, float]]) -> list[str]:
         "(`peak_memory_in_bytes`) equal to their arguments plus their host temporaries, to within a few hundred KB: "
         "the host's figure, not the device's (the TPU compiler compiled each for the chip's HBM, some at a \"peak\" "
         "several times it). The study's peak there is the breakdown sum (argument + output − alias + temp + code), "
-        "which is at least the device's. Columns: the compiler's peak; it less arguments and host temporaries, bytes; "
+        "which is at least the device's, or, where that reads over the chip, the HBM the compiler compiled the program "
+        "for: it compiled it, so by its own out-of-memory verdict the program fits (`MemoryBreakdown.peak`). Columns: the compiler's peak; it less arguments and host temporaries, bytes; "
         "the host temporaries; the breakdown sum; which the compiler's peak is; the study's peak.\n",
         "| run | trial | candidate | compiler's peak | − (arguments + host temp), B | host temp | breakdown sum | "
         "compiler's peak is | study's peak |",
@@ -467,20 +504,29 @@ def host_peak_lines(results: list[tuple[Run, StudyReport, float]]) -> list[str]:
 
 
 def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> list[str]:
-    """The calibration's figures and its leave-one-out error, for the page."""
-    ratios = sorted(s.loo_seconds / steps[s.label] for s in calibration.samples if s.label in steps)
-    within = sum(abs(r - 1) <= 0.15 for r in ratios)
+    """The calibration's figures and its error left out, one run and one family at a time, for the page."""
+    def spread(figure: str) -> tuple[list[float], int]:
+        ratios = sorted(getattr(s, figure) / steps[s.label] for s in calibration.samples
+                        if s.label in steps and getattr(s, figure) is not None)
+        return ratios, sum(abs(r - 1) <= 0.15 for r in ratios)
+
+    (loo, loo_within), (lofo, lofo_within) = spread("loo_seconds"), spread("lofo_seconds")
     e = calibration.efficiencies
     bands = ", ".join(f"{kind} ×{b[0]:.3f}–{b[1]:.3f}" for kind in ("recompute", "offload")
                       if (b := calibration.band(kind)) is not None)
     chips = "every generation, one set of figures" if name == "all" else ", ".join(GROUPS[name])
+    family_out = (f"left out a family at a time ({calibration.families} families), over {len(lofo)} runs: min {lofo[0]:.3f}, "
+                  f"median {statistics.median(lofo):.3f}, max {lofo[-1]:.3f}; within ±15%: **{lofo_within} of {len(lofo)}**"
+                  if lofo else "one family: none left out a family at a time")
     return [
         f"**{calibration.name}** ({chips}; `published_programs/{'calibration' if name == 'all' else name}.json`): "
-        f"calibrated, left out, over {len(ratios)} runs: min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, "
-        f"max {ratios[-1]:.3f}; within ±15%: **{within} of {len(ratios)}**. Fitted on all {len(ratios)} "
+        f"estimate / published step, left out one run at a time, over {len(loo)} runs: min {loo[0]:.3f}, "
+        f"median {statistics.median(loo):.3f}, max {loo[-1]:.3f}; within ±15%: {loo_within} of {len(loo)}; "
+        f"{family_out}. Fitted on all {len(loo)} "
         f"({', '.join(calibration.fitted)}): matmuls at {e.matmul:.3f} of peak, HBM at {e.hbm:.3f}, ICI at {e.ici:.3f}, "
         f"host link at {e.host_link:.3f} of the assumed 15 GB/s, {e.launch_seconds * 1e6:.1f} µs an instruction; "
-        f"bands (published / left-out estimate): {bands}. What it says of another run is this spread, not a promise.\n",
+        f"bands (published / estimate, a family left out): {bands}. What it says of another model is this spread, "
+        "not a promise.\n",
     ]
 
 
@@ -540,7 +586,7 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
         offloads = any(isinstance(c, dict) and c.get("offload") for c in run.choices[:1])
         samples[run.name] = {
             "label": run.name, "chip": run.chip, "program": f"{run.name}.hlo.gz", "measured_seconds": published_step(run),
-            "kind": "offload" if offloads else "recompute", "source": run.source,
+            "kind": "offload" if offloads else "recompute", "source": run.source, "family": run.family,
         }
         index.write_text(json.dumps(sorted(samples.values(), key=lambda s: s["label"]), indent=1) + "\n")
         estimate = trial.measurement.estimate  # an over-budget trial is estimated too: its program is a sample
@@ -567,11 +613,11 @@ def main() -> None:
         start = time.monotonic()
         if args.report:
             try:
-                report = remat_search.load_report(f"maxtext-{run.name}", storage)
+                report = reread(remat_search.load_report(f"maxtext-{run.name}", storage))
             except Exception:  # noqa: BLE001 - a run not searched yet
                 continue
         else:
-            report = search(run, storage, args.trials or run.trials)
+            report = reread(search(run, storage, args.trials or run.trials))
             optuna.load_study(study_name=f"maxtext-{run.name}", storage=storage).set_user_attr(
                 "benchmark_minutes", (time.monotonic() - start) / 60)
         minutes = optuna.load_study(study_name=f"maxtext-{run.name}", storage=storage).user_attrs.get("benchmark_minutes", 0.0)

@@ -296,21 +296,24 @@ def front_table(study: str, budget: int, front: Iterable[TrialResult]) -> Table:
 
 
 def calibration_table(calibration: Calibration) -> Group:
-    """Each sample of a calibration (measured, estimated uncalibrated, fitted, left out), then its
-    figures and its leave-one-out error by kind of plan."""
+    """Each sample of a calibration (measured, estimated uncalibrated, fitted, left out alone and
+    with its model family), then its figures and its held-out error by kind of plan."""
     table = _table(
         f"Calibration {calibration.name!r} ({', '.join(calibration.chips)}; {calibration.compiler})",
-        {"sample": _PLAN, "kind": {}, "measured": _NUMBER, "uncalibrated": _NUMBER, "fitted": _NUMBER,
-         "left out": _NUMBER, "error": _NUMBER},
+        {"sample": _PLAN, "family": {}, "kind": {}, "measured": _NUMBER, "uncalibrated": _NUMBER, "fitted": _NUMBER,
+         "left out": _NUMBER, "error": _NUMBER, "family out": _NUMBER, "its error": _NUMBER},
     )
     for s in calibration.samples:
-        table.add_row(s.label, s.kind, format_seconds(s.measured_seconds), format_seconds(s.uncalibrated_seconds),
-                      format_seconds(s.calibrated_seconds), format_seconds(s.loo_seconds), f"{s.loo_error:+.1%}")
+        table.add_row(s.label, s.family or "—", s.kind, format_seconds(s.measured_seconds),
+                      format_seconds(s.uncalibrated_seconds), format_seconds(s.calibrated_seconds),
+                      format_seconds(s.loo_seconds), f"{s.loo_error:+.1%}",
+                      format_seconds(s.held_out_seconds), f"{s.held_out_error:+.1%}")
     lines = [Text(calibration_figures(calibration))]
     for kind, error in calibration.errors().items():
         band = calibration.band(kind)  # type: ignore[arg-type]
         assert band is not None
-        lines.append(Text(f"{kind}: leave-one-out error up to {error:.1%} (measured / estimate {band[0]:.3f}-{band[1]:.3f})"))
+        lines.append(Text(f"{kind}: error up to {error:.1%} with its model family left out, over "
+                          f"{calibration.families} families (measured / estimate {band[0]:.3f}-{band[1]:.3f})"))
     return Group(table, *lines)
 
 

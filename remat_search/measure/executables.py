@@ -42,6 +42,7 @@ from remat_search.spec.models import TimingConfig
 from remat_search.targets.step_time import StepEstimate
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.local import LocalTarget
+from remat_search.targets.platform import is_tpu
 from remat_search.units import format_bytes
 
 KEPT_EXECUTABLES = 64
@@ -115,6 +116,16 @@ class Executables:
         self._reference: Reference | None = None
         self.reference_store = reference_store
         self._carriers: Carriers | None = None
+        self._hbm: int | None = None
+
+    @property
+    def compile_hbm(self) -> int | None:
+        """The HBM per chip a TPU compiler compiles each plan for (``Target.memory_limit``): a
+        program it compiled fits it, by the compiler's own out-of-memory verdict
+        (:attr:`MemoryBreakdown.hbm`). None on other platforms."""
+        if self._hbm is None and is_tpu(self.target.platform):
+            self._hbm = self.target.memory_limit(self.mesh)
+        return self._hbm
 
     @property
     def carriers(self) -> Carriers:
@@ -212,7 +223,7 @@ class Executables:
             keep_program(self.programs, digest, text)
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
-            memory=MemoryBreakdown.of(compiled, platform=self.target.platform), cost=cost,
+            memory=MemoryBreakdown.of(compiled, platform=self.target.platform, hbm=self.compile_hbm), cost=cost,
             program=digest, estimate=None if self.target.executes else self.target.estimate(text, cost, plan.kind),
             precision=precision,
         )

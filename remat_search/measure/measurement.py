@@ -22,7 +22,7 @@ from remat_search.measure.check import GradientCheck
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 13
+MEASUREMENT_SCHEMA = 14
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -50,7 +50,9 @@ compute (the collective's buffers are its ICI bytes, as an unfused collective's 
 TPU kernel's matmuls are priced as the chip's matrix unit spends them, padded to its tiles
 (``targets.mxu``: a 128-wide head at half rate on a v6e). 13: the check compares the first step's
 gradients (the optimizer's first moment), norm-relative, against a threshold measured on the
-reference (``measure.check``), not the state's change by its largest element."""
+reference (``measure.check``), not the state's change by its largest element. 14: a TPU
+program's breakdown keeps the HBM it was compiled for, and its peak is at most that (the
+compiler compiled it: ``MemoryBreakdown.peak``)."""
 
 Verdict = Literal["measured", "over_budget", "failed", "infeasible"]
 """``infeasible``: the workload refused to build the candidate (:class:`~remat_search.errors.CandidateRefused`),
@@ -84,11 +86,16 @@ class MemoryBreakdown(BaseModel):
     platform: Platform | None = None
     """What the program was compiled for, which decides the :attr:`peak` rule; None in
     measurements made before it was kept (schema 6 and before: the larger figure, as then)."""
+    hbm: int | None = None
+    """The HBM per chip the TPU compiler compiled the program for (``Target.memory_limit``): it
+    refuses at compile time a program whose device memory does not fit (E1000, "Ran out of memory
+    in memory space hbm"), so a program it compiled fits this, whatever the figures above sum to.
+    None off TPU, and in measurements made before it was kept (schema 13 and before)."""
 
     @classmethod
-    def of(cls, compiled: Any, *, platform: str) -> MemoryBreakdown:
+    def of(cls, compiled: Any, *, platform: str, hbm: int | None = None) -> MemoryBreakdown:
         """Read the breakdown of a ``jax.stages.Compiled`` compiled for ``platform`` (as
-        ``jax.Device.platform`` names it)."""
+        ``jax.Device.platform`` names it) and, on TPU, for ``hbm`` bytes a chip."""
         m = compiled.memory_analysis()
         fields = ("argument", "output", "alias", "temp", "generated_code")
         return cls(
@@ -96,6 +103,7 @@ class MemoryBreakdown(BaseModel):
             **{f"host_{f}": int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields},
             compiler_peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0) if reports_compiler_peak(platform) else None,
             platform=platform if platform in PLATFORMS else None,
+            hbm=hbm if is_tpu(platform) else None,
         )
 
     @computed_field  # type: ignore[prop-decorator]
@@ -142,18 +150,29 @@ class MemoryBreakdown(BaseModel):
         within the chip's HBM, where the breakdown sum was over it at some), and it stands
         where the breakdown's temp reads 0; the breakdown sum where the compiler's peak
         itself is unreported (0 or negative) or is the host's (:attr:`compiler_peak_is_host`:
-        the device's own is not stated, and the sum is at least it). Elsewhere the larger of the breakdown sum and
-        the compiler's peak (CPU: the breakdown sum, matched to the byte; the compiler's peak
-        is not kept)."""
-        return self.compiler_peak if self.peak_source == "compiler_peak" and self.compiler_peak else self.breakdown_sum
+        the device's own is not stated, and the sum is at least it). Either is capped at the
+        :attr:`hbm` the compiler compiled the program for (``compiler_verdict``): it compiled it,
+        so the program fits that, where the breakdown sum of a program that offloads reads
+        over it (a Llama 3.1 70B step MaxText ran on v6e-32: 34.3 GiB of 31.25 GiB). Elsewhere
+        the larger of the breakdown sum and the compiler's peak (CPU: the breakdown sum, matched
+        to the byte; the compiler's peak is not kept)."""
+        source = self.peak_source
+        if source == "compiler_verdict":
+            assert self.hbm is not None
+            return self.hbm
+        return self.compiler_peak if source == "compiler_peak" and self.compiler_peak else self.breakdown_sum
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def peak_source(self) -> Literal["breakdown_sum", "compiler_peak"]:
-        """Which figure :attr:`peak` is (see there)."""
+    def peak_source(self) -> Literal["breakdown_sum", "compiler_peak", "compiler_verdict"]:
+        """Which figure :attr:`peak` is (see there): ``compiler_verdict``, the HBM the compiler
+        compiled the program for, is an upper bound, not the program's own peak."""
         read = self.compiler_peak is not None and self.compiler_peak > 0
         if self.platform is not None and is_tpu(self.platform):
-            return "compiler_peak" if read and not self.compiler_peak_is_host else "breakdown_sum"
+            figure = self.compiler_peak if read and not self.compiler_peak_is_host else None
+            if self.hbm is not None and (figure if figure is not None else self.breakdown_sum) > self.hbm:
+                return "compiler_verdict"
+            return "compiler_peak" if figure is not None else "breakdown_sum"
         return "compiler_peak" if read and (self.compiler_peak or 0) > self.breakdown_sum else "breakdown_sum"
 
 

@@ -64,18 +64,23 @@ def estimate_mark(t: TrialResult) -> str:
     e = t.measurement.estimate if t.measurement is not None else None
     if e is None or e.band is None:
         return "est."
-    return f"{'cal. ' if e.calibration else ''}est. ×{e.band[0]:.2f}-{e.band[1]:.2f}"
+    outside = ", outside its samples" if e.outside else ""
+    return f"{'cal. ' if e.calibration else ''}est. ×{e.band[0]:.2f}-{e.band[1]:.2f}{outside}"
 
 
 def band_text(e: StepEstimate) -> str:
-    """Where an estimate's error comes from, in words: its calibration's leave-one-out, the
-    published runs of its chip, or nothing known."""
+    """Where an estimate's error comes from, in words: its calibration's held-out error (a model
+    family left out at a time), the published runs of its chip, or nothing known."""
     if e.band is None:
         return "uncalibrated, its error unknown: no published run or calibration of this chip gives one"
     low, high = e.band
     if e.calibration:
+        if e.outside:
+            return (f"calibrated ({e.calibration}), outside its samples ({e.outside}): measured steps of every "
+                    f"sample were {low:.2f}–{high:.2f}× their estimates fitted without their model family; "
+                    "this plan's kind is an extrapolation")
         return (f"calibrated ({e.calibration}): measured steps of plans of this kind were {low:.2f}–{high:.2f}× "
-                "their leave-one-out estimates")
+                "their estimates fitted without their model family")
     return (f"uncalibrated: MaxText's published runs of this generation took {low:.2f}–{high:.2f}× the model's "
             "estimates (remat-search calibrate fits it to your own measurements)")
 
@@ -268,7 +273,8 @@ def _estimate_line(m: RawMeasurement) -> str:
 def _unreported_line(mem: MemoryBreakdown) -> str:
     """What ``show`` says of a breakdown whose figures ``memory_analysis()`` gave as 0 or less."""
     names = ", ".join("peak_memory_in_bytes" if f == "peak" else f"{f}_size_in_bytes" for f in mem.unreported)
-    fell_back = "the compiler's peak" if mem.peak_source == "compiler_peak" else "the breakdown sum"
+    fell_back = {"compiler_peak": "the compiler's peak", "breakdown_sum": "the breakdown sum",
+                 "compiler_verdict": "the HBM the compiler compiled it for"}[mem.peak_source]
     return (
         f"  memory_analysis() gave {names} as 0 or less (a known JAX issue on TPU, jax#12848): "
         f"not what the step holds, so the peak is {fell_back}"
@@ -327,7 +333,13 @@ def describe_trial(t: TrialResult, device: dict[str, Any] | None = None, toleran
             lines.append(_unreported_line(mem))
         if mem.compiler_peak_is_host:
             lines.append("  the compiler's peak is its arguments plus its host temporaries (libtpu's figure of a program "
-                         "that offloads): the device's own peak is not stated, so the peak is the breakdown sum, at least it")
+                         "that offloads): the device's own peak is not stated, so the peak is the breakdown sum, at least it"
+                         + (", or the HBM below it" if mem.peak_source == "compiler_verdict" else ""))
+        if mem.peak_source == "compiler_verdict":
+            lines.append(f"  at most {format_bytes(mem.peak)}: the TPU compiler compiled it for {format_bytes(mem.peak)} "
+                         "of HBM a chip, and it refuses a program that does not fit (its out-of-memory verdict); "
+                         f"the {'breakdown sum' if mem.compiler_peak_is_host or not mem.compiler_peak else 'compiler peak'} "
+                         "reads more, an upper bound the compiler's verdict is below")
         if mem.host_total or mem.host_temp:
             lines.append(
                 f"  host memory, from the compiler: {format_bytes(mem.host_total)}: argument "

@@ -7,9 +7,12 @@ study that ran on its devices (its program kept in the study's artifacts), a row
 model's :class:`~remat_search.targets.step_time.Efficiencies` (the fractions of each peak the
 chip reaches, what each instruction costs besides its work) so that the estimates of its
 samples come closest to their measured steps (least squares of the log ratio). Its error is
-each sample's **leave-one-out** estimate: fitted on all the others, priced on the one left out,
-set against its measured step; the band of a kind of plan (keep / recompute / offload) is the
-lowest and highest measured / leave-one-out ratio among its samples. A study that names a
+measured two ways: each sample's **leave-one-out** estimate (fitted on all the others, priced
+on the one left out), and its **leave-one-family-out** estimate (fitted on the samples of every
+other model family, priced on its family's: a model's runs at every chip count and batch left
+out together, so that a sibling run does not stand in for the model). The band of a kind of plan
+(keep / recompute / offload) is the lowest and highest measured / leave-one-family-out ratio
+among its samples: what the calibration says of a model it never saw. A study that names a
 calibration (``target.calibration``) prices every candidate with its figures and carries that
 band with each estimate; ``show`` and ``best`` state it.
 
@@ -67,6 +70,9 @@ class Sample(BaseModel):
     kind: PlanKind
     source: str = ""
     """Where the measured step comes from: a device and date, a published run's page."""
+    family: str = ""
+    """The model the program trains (``llama3.1-70b``), whatever its chips, mesh and batch: its
+    family's samples are left out together (:attr:`Fitted.lofo_seconds`). Empty: its own family."""
 
 
 class Fitted(BaseModel):
@@ -82,13 +88,28 @@ class Fitted(BaseModel):
     calibrated_seconds: float
     """Estimated with the figures fitted on every sample, this one included."""
     loo_seconds: float
-    """Estimated with the figures fitted on every other sample: the calibration's error."""
+    """Estimated with the figures fitted on every other sample."""
     source: str = ""
+    family: str = ""
+    lofo_seconds: float | None = None
+    """Estimated with the figures fitted on the samples of every other family (:attr:`Sample.family`):
+    the calibration's error. None where no other family was sampled (and in calibrations written
+    before it was measured): :attr:`held_out_seconds` is then the leave-one-out estimate."""
 
     @property
     def loo_error(self) -> float:
         """The leave-one-out estimate's error: estimated / measured - 1."""
         return self.loo_seconds / self.measured_seconds - 1
+
+    @property
+    def held_out_seconds(self) -> float:
+        """The estimate the calibration's error is read from: leave-one-family-out where measured."""
+        return self.lofo_seconds if self.lofo_seconds is not None else self.loo_seconds
+
+    @property
+    def held_out_error(self) -> float:
+        """:attr:`held_out_seconds`' error: estimated / measured - 1."""
+        return self.held_out_seconds / self.measured_seconds - 1
 
 
 class Calibration(BaseModel):
@@ -107,17 +128,23 @@ class Calibration(BaseModel):
     samples: tuple[Fitted, ...]
 
     def band(self, kind: PlanKind | None = None) -> tuple[float, float] | None:
-        """Measured / leave-one-out estimate, lowest and highest, over the samples of ``kind``
-        (all samples where it has none, or ``kind`` is None); None without samples."""
+        """Measured / held-out estimate (leave-one-family-out where measured:
+        :attr:`Fitted.held_out_seconds`), lowest and highest, over the samples of ``kind`` (all
+        samples where it has none, or ``kind`` is None); None without samples."""
         chosen = [s for s in self.samples if s.kind == kind] or list(self.samples)
-        ratios = [s.measured_seconds / s.loo_seconds for s in chosen]
+        ratios = [s.measured_seconds / s.held_out_seconds for s in chosen]
         return (min(ratios), max(ratios)) if ratios else None
 
+    @property
+    def families(self) -> int:
+        """How many model families its samples hold."""
+        return len({s.family or s.label for s in self.samples})
+
     def errors(self) -> dict[str, float]:
-        """The largest leave-one-out error (|estimated / measured - 1|) by kind of plan."""
+        """The largest held-out error (|estimated / measured - 1|) by kind of plan."""
         found: dict[str, float] = {}
         for s in self.samples:
-            found[s.kind] = max(found.get(s.kind, 0.0), abs(s.loo_error))
+            found[s.kind] = max(found.get(s.kind, 0.0), abs(s.held_out_error))
         return found
 
 
@@ -195,9 +222,10 @@ def figures_for(works: Sequence[Work], chips: Sequence[Chip]) -> tuple[str, ...]
 def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: str,
               figures: Sequence[str] | None = None) -> Calibration:
     """Fit a :class:`Calibration` on ``samples`` (each with its program's path) and measure its
-    error: each sample's leave-one-out estimate, fitted on the others alone, a figure none of
-    them tells (the host link, where the sample left out is the only one that offloads) left at
-    the datasheet's."""
+    error: each sample's leave-one-out estimate, fitted on the others alone, and its
+    leave-one-family-out estimate, fitted on the other families' samples alone; a figure the
+    samples fitted on do not tell (the host link, where those left out are the only ones that
+    offload) left at the datasheet's."""
     if len(samples) < 2:
         raise SpecError(f"calibrate: {len(samples)} sample(s); a leave-one-out error needs at least 2")
     chips = [chip_of(s.chip) for s, _ in samples]
@@ -205,18 +233,30 @@ def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: st
     measured = [s.measured_seconds for s, _ in samples]
     chosen = tuple(figures) if figures is not None else figures_for(works, chips)
     efficiencies = fit(works, chips, measured, chosen)
-    fitted = []
-    for i, (s, _) in enumerate(samples):
-        others = [j for j in range(len(samples)) if j != i]
+
+    def without(left_out: set[int]) -> Efficiencies:
+        others = [j for j in range(len(samples)) if j not in left_out]
         telling = figures_for([works[j] for j in others], [chips[j] for j in others])  # the others may not tell one
-        left_out = fit([works[j] for j in others], [chips[j] for j in others], [measured[j] for j in others],
-                       tuple(f for f in chosen if f in telling))
-        fitted.append(Fitted(
-            label=s.label, chip=s.chip, kind=s.kind, measured_seconds=s.measured_seconds, source=s.source,
-            uncalibrated_seconds=price(works[i], chips[i]).seconds,
-            calibrated_seconds=price(works[i], chips[i], efficiencies).seconds,
-            loo_seconds=price(works[i], chips[i], left_out).seconds,
-        ))
+        return fit([works[j] for j in others], [chips[j] for j in others], [measured[j] for j in others],
+                   tuple(f for f in chosen if f in telling))
+
+    loo = [price(works[i], chips[i], without({i})).seconds for i in range(len(samples))]
+    families: dict[str, set[int]] = {}
+    for i, (s, _) in enumerate(samples):
+        families.setdefault(s.family or s.label, set()).add(i)
+    lofo: dict[int, float] = {}
+    for members in families.values():
+        if len(members) == len(samples):
+            continue  # one family: nothing else to fit on
+        figures_out = None if len(members) == 1 else without(members)
+        for i in members:
+            lofo[i] = loo[i] if figures_out is None else price(works[i], chips[i], figures_out).seconds
+    fitted = [Fitted(
+        label=s.label, chip=s.chip, kind=s.kind, measured_seconds=s.measured_seconds, source=s.source, family=s.family,
+        uncalibrated_seconds=price(works[i], chips[i]).seconds,
+        calibrated_seconds=price(works[i], chips[i], efficiencies).seconds,
+        loo_seconds=loo[i], lofo_seconds=lofo.get(i),
+    ) for i, (s, _) in enumerate(samples)]
     return Calibration(name=name, chips=tuple(sorted({s.chip for s, _ in samples})), compiler=compiler,
                        efficiencies=efficiencies, fitted=chosen, samples=tuple(fitted))
 
@@ -234,10 +274,15 @@ def load_calibration(path: Path | str, field: str = "spec.target.calibration") -
                         f"{first['msg']}); expected a file that remat-search calibrate wrote") from None
 
 
+KIND_WORDS: dict[PlanKind, str] = {"keep": "keeps every activation", "recompute": "recomputes", "offload": "offloads"}
+
+
 def with_band(estimate: StepEstimate, calibration: Calibration | None, kind: PlanKind,
               uncalibrated: tuple[float, float] | None = None) -> StepEstimate:
-    """``estimate`` labelled with its calibration's name and the band of its kind of plan; or,
-    uncalibrated, with the band ``uncalibrated`` (None: unknown)."""
+    """``estimate`` labelled with its calibration's name and the band of its plan's ``kind``,
+    marked :attr:`~StepEstimate.outside` the samples where none of them is of that kind (the
+    band is then every sample's); or, uncalibrated, with the band ``uncalibrated`` (None: unknown)."""
     if calibration is None:
         return estimate.model_copy(update={"band": uncalibrated})
-    return estimate.model_copy(update={"calibration": calibration.name, "band": calibration.band(kind)})
+    outside = None if any(s.kind == kind for s in calibration.samples) else f"no sample {KIND_WORDS[kind]}"
+    return estimate.model_copy(update={"calibration": calibration.name, "band": calibration.band(kind), "outside": outside})

@@ -124,9 +124,12 @@ class StepEstimate(BaseModel):
     calibration: str | None = None
     """The calibration whose figures priced it (``targets.calibration``); None: the datasheet's."""
     band: tuple[float, float] | None = None
-    """Measured step / this estimate, lowest and highest, as the calibration's leave-one-out
-    found them for plans of this kind (or, uncalibrated, as the published runs of this chip's
-    generation did); None: unknown."""
+    """Measured step / this estimate, lowest and highest, as the calibration found them with a
+    model family left out, for plans of this kind (or, uncalibrated, as the published runs of this
+    chip's generation did); None: unknown."""
+    outside: str | None = None
+    """What puts the plan outside its calibration's samples ("no sample offloads"): its band was
+    measured on other kinds of plan, so it is an extrapolation. None within them, or uncalibrated."""
 
 
 def estimate_step(hlo: str, chip: Chip, cost: dict[str, float] | None = None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import remat_search
+from remat_search.measure.measurement import Measurement
 from remat_search.report.results import TrialResult
 from remat_search.report.text import describe_trial, rivals
 from remat_search.spec.loading import parse_spec
@@ -39,7 +40,7 @@ def test_calibrate_a_samples_file(cli, tmp_path: Path) -> None:  # type: ignore[
     assert set(calibration.fitted) == {"matmul", "hbm", "launch_seconds", "host_link"}
     for s in calibration.samples:  # every figure the table shows is the file's
         assert s.label in result.stdout and f"{s.loo_error:+.1%}" in result.stdout
-    assert "leave-one-out error up to" in result.stdout and f"wrote {out}" in result.stdout
+    assert "with its model family left out, over 4 families" in result.stdout and f"wrote {out}" in result.stdout
 
 
 def test_calibrate_a_study_that_ran_on_its_devices(cli, tmp_path: Path, storage_url: str, home: Path) -> None:  # type: ignore[no-untyped-def]
@@ -176,3 +177,26 @@ def test_rivals_are_the_estimates_whose_bands_overlap() -> None:
     best, near, far, unknown = trial(0, 1.0, (0.9, 1.1)), trial(1, 1.15, (0.9, 1.1)), trial(2, 1.3, (0.9, 1.1)), trial(3, 1.01, None)
     assert rivals(best, [best, near, far, unknown]) == [near]
     assert rivals(unknown, [best, near]) == []
+
+
+def test_an_estimate_of_a_kind_no_sample_has_says_it_is_outside_them(tmp_path: Path) -> None:
+    """The v5e calibration has plans that recompute and keep, none that offloads: an offloading
+    plan's estimate carries every sample's band, marked as an extrapolation in show and in tables."""
+    from remat_search.report.text import band_text, estimate_mark
+    from remat_search.targets.calibration import with_band
+    from remat_search.targets.step_time import StepEstimate
+
+    calibration = _v5e_calibration(tmp_path / "v5e.json")
+    estimate = StepEstimate(seconds=1.0, compute_seconds=1.0, collective_seconds=0.0, flops=0.0, hbm_bytes=0.0,
+                            collective_bytes=0.0, instructions=1)
+    within, offload = with_band(estimate, calibration, "recompute"), with_band(estimate, calibration, "offload")
+    assert within.outside is None and offload.outside == "no sample offloads"
+    assert offload.band == calibration.band() == (1 / 1.02, 1 / 0.96)
+    assert "outside its samples (no sample offloads)" in band_text(offload) and "outside" not in band_text(within)
+
+    def trial(e: StepEstimate) -> TrialResult:
+        return TrialResult(number=0, status="measured", measurement=Measurement(
+            status="measured", plan_digest="p", time_source="estimated", estimated_seconds=1.0, estimate=e))
+
+    assert estimate_mark(trial(offload)) == "cal. est. ×0.98-1.04, outside its samples"
+    assert estimate_mark(trial(within)) == "cal. est. ×0.98-1.04"

@@ -173,3 +173,35 @@ def test_the_h200_calibration_estimates_a_shape_it_never_saw_within_its_error() 
     for s, path in load_samples(RESULTS / "gpu_step_time_h200_d1536" / "samples.json"):
         estimate = price(read_work(read_program(path)), chip_of(s.chip), calibration.efficiencies).seconds
         assert abs(estimate / s.measured_seconds - 1) <= 0.022, s.label
+
+
+def test_a_family_is_left_out_together_and_the_band_is_read_from_it(tmp_path: Path) -> None:
+    """The H100's two decoders as two families: each sample's leave-one-family-out estimate is
+    priced by the figures fitted on the other decoder's four plans alone, its leave-one-out by
+    the seven others (its own decoder's three among them); the band is the families'."""
+    from remat_search.targets.calibration import Sample
+
+    kept = json.loads(H100.read_text())
+    for s in kept:
+        s["program"] = str(H100.parent / s["program"])
+        s["family"] = s["label"].split("-")[0]  # d1024 / d2048
+    (tmp_path / "samples.json").write_text(json.dumps(kept))
+    samples = load_samples(tmp_path / "samples.json")
+    calibration = calibrate(samples, name="h100-families", compiler="jaxlib (cuda)")
+    assert calibration.families == 2
+    works = {s.label: read_work(read_program(path)) for s, path in samples}
+    for family in ("d1024", "d2048"):
+        others = [(s, works[s.label]) for s, _ in samples if s.family != family]
+        figures = fit([w for _, w in others], [GPUS["h100"]] * len(others), [s.measured_seconds for s, _ in others],
+                      calibration.fitted)
+        for s in calibration.samples:
+            if s.family == family:
+                assert s.lofo_seconds == pytest.approx(price(works[s.label], GPUS["h100"], figures).seconds, rel=1e-6)
+                assert s.held_out_seconds == s.lofo_seconds
+    for kind in ("keep", "recompute", "offload"):
+        ratios = [s.measured_seconds / s.lofo_seconds for s in calibration.samples if s.kind == kind]
+        assert calibration.band(kind) == (min(ratios), max(ratios))  # type: ignore[arg-type]
+    # Without families each sample is its own: leave-one-family-out is leave-one-out.
+    alone = calibrate([(Sample.model_validate({**s.model_dump(), "family": ""}), p) for s, p in samples],
+                      name="h100", compiler="jaxlib (cuda)")
+    assert alone.families == 8 and all(s.lofo_seconds == s.loo_seconds for s in alone.samples)
