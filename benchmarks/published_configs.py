@@ -587,6 +587,7 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
         samples[run.name] = {
             "label": run.name, "chip": run.chip, "program": f"{run.name}.hlo.gz", "measured_seconds": published_step(run),
             "kind": "offload" if offloads else "recompute", "source": run.source, "family": run.family,
+            "mesh": run.mesh,
         }
         index.write_text(json.dumps(sorted(samples.values(), key=lambda s: s["label"]), indent=1) + "\n")
         estimate = trial.measurement.estimate  # an over-budget trial is estimated too: its program is a sample

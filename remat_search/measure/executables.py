@@ -224,7 +224,8 @@ class Executables:
         return Build(
             compiled if self.target.executes else None, time.perf_counter() - start, started,
             memory=MemoryBreakdown.of(compiled, platform=self.target.platform, hbm=self.compile_hbm), cost=cost,
-            program=digest, estimate=None if self.target.executes else self.target.estimate(text, cost, plan.kind),
+            program=digest, estimate=None if self.target.executes else self.target.estimate(
+                text, cost, plan.kind, None if self.mesh is None else dict(self.mesh.shape)),
             precision=precision,
         )
 

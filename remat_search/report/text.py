@@ -70,19 +70,19 @@ def estimate_mark(t: TrialResult) -> str:
 
 def band_text(e: StepEstimate) -> str:
     """Where an estimate's error comes from, in words: its calibration's held-out error (a model
-    family left out at a time), the published runs of its chip, or nothing known."""
+    family left out at a time), the published runs of its chip, or nothing known; and what puts
+    the plan outside the samples that error was measured on, where something does."""
     if e.band is None:
         return "uncalibrated, its error unknown: no published run or calibration of this chip gives one"
     low, high = e.band
     if e.calibration:
-        if e.outside:
-            return (f"calibrated ({e.calibration}), outside its samples ({e.outside}): measured steps of every "
-                    f"sample were {low:.2f}–{high:.2f}× their estimates fitted without their model family; "
-                    "this plan's kind is an extrapolation")
-        return (f"calibrated ({e.calibration}): measured steps of plans of this kind were {low:.2f}–{high:.2f}× "
+        which = "every sample" if e.outside and e.outside.startswith("no sample") else "plans of this kind"
+        text = (f"calibrated ({e.calibration}): measured steps of {which} were {low:.2f}–{high:.2f}× "
                 "their estimates fitted without their model family")
-    return (f"uncalibrated: MaxText's published runs of this generation took {low:.2f}–{high:.2f}× the model's "
-            "estimates (remat-search calibrate fits it to your own measurements)")
+    else:
+        text = (f"uncalibrated: MaxText's published runs of this generation took {low:.2f}–{high:.2f}× the model's "
+                "estimates (remat-search calibrate fits it to your own measurements)")
+    return text if not e.outside else f"{text}; outside its samples ({e.outside}): an extrapolation"
 
 
 def band_of(t: TrialResult) -> tuple[float, float] | None:

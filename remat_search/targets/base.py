@@ -91,11 +91,13 @@ class Target(ABC):
     def memory_limit(self, mesh: Any) -> int | None:
         """Usable memory per device as its compiler or runtime reports it (None where none is)."""
 
-    def estimate(self, hlo: str, cost: dict[str, float], kind: str = "recompute") -> StepEstimate | None:
+    def estimate(self, hlo: str, cost: dict[str, float], kind: str = "recompute",
+                 mesh: dict[str, int] | None = None) -> StepEstimate | None:
         """One step's time, modelled from the optimized program ``hlo`` (``Compiled.as_text()``)
         and the compiler's cost analysis ``cost``, where nothing executes
         (:func:`step_time.estimate_step`), with the error band of its plan's ``kind`` (keep,
-        recompute, offload: ``targets.calibration``); None where plans run."""
+        recompute, offload: ``targets.calibration``), marked where its ``mesh`` (axis sizes by
+        name) or kind lies outside the samples of that band; None where plans run."""
         return None
 
     @property

@@ -73,6 +73,9 @@ class Sample(BaseModel):
     family: str = ""
     """The model the program trains (``llama3.1-70b``), whatever its chips, mesh and batch: its
     family's samples are left out together (:attr:`Fitted.lofo_seconds`). Empty: its own family."""
+    mesh: dict[str, int] = Field(default_factory=dict)
+    """The mesh it ran over, axis sizes by name, where known: an estimate over a tensor axis
+    wider than every sample's is outside them (:func:`with_band`)."""
 
 
 class Fitted(BaseModel):
@@ -91,6 +94,7 @@ class Fitted(BaseModel):
     """Estimated with the figures fitted on every other sample."""
     source: str = ""
     family: str = ""
+    mesh: dict[str, int] = Field(default_factory=dict)
     lofo_seconds: float | None = None
     """Estimated with the figures fitted on the samples of every other family (:attr:`Sample.family`):
     the calibration's error. None where no other family was sampled (and in calibrations written
@@ -134,6 +138,12 @@ class Calibration(BaseModel):
         chosen = [s for s in self.samples if s.kind == kind] or list(self.samples)
         ratios = [s.measured_seconds / s.held_out_seconds for s in chosen]
         return (min(ratios), max(ratios)) if ratios else None
+
+    @property
+    def widest_tensor(self) -> int | None:
+        """The widest tensor axis of its samples (:func:`tensor_width`); None where none states its mesh."""
+        widths = [tensor_width(s.mesh) for s in self.samples if s.mesh]
+        return max(widths) if widths else None
 
     @property
     def families(self) -> int:
@@ -253,6 +263,7 @@ def calibrate(samples: Sequence[tuple[Sample, Path]], *, name: str, compiler: st
             lofo[i] = loo[i] if figures_out is None else price(works[i], chips[i], figures_out).seconds
     fitted = [Fitted(
         label=s.label, chip=s.chip, kind=s.kind, measured_seconds=s.measured_seconds, source=s.source, family=s.family,
+        mesh=s.mesh,
         uncalibrated_seconds=price(works[i], chips[i]).seconds,
         calibrated_seconds=price(works[i], chips[i], efficiencies).seconds,
         loo_seconds=loo[i], lofo_seconds=lofo.get(i),
@@ -277,12 +288,27 @@ def load_calibration(path: Path | str, field: str = "spec.target.calibration") -
 KIND_WORDS: dict[PlanKind, str] = {"keep": "keeps every activation", "recompute": "recomputes", "offload": "offloads"}
 
 
+def tensor_width(mesh: dict[str, int]) -> int:
+    """How many ways a mesh splits tensors: the product of its ``tensor*`` axes (MaxText's
+    ``tensor``, ``tensor_transpose``, ``tensor_sequence``); 1 without one."""
+    return math.prod(n for axis, n in mesh.items() if axis.startswith("tensor"))
+
+
 def with_band(estimate: StepEstimate, calibration: Calibration | None, kind: PlanKind,
-              uncalibrated: tuple[float, float] | None = None) -> StepEstimate:
-    """``estimate`` labelled with its calibration's name and the band of its plan's ``kind``,
-    marked :attr:`~StepEstimate.outside` the samples where none of them is of that kind (the
-    band is then every sample's); or, uncalibrated, with the band ``uncalibrated`` (None: unknown)."""
+              uncalibrated: tuple[float, float] | None = None, *, mesh: dict[str, int] | None = None,
+              uncalibrated_tensor: int | None = None) -> StepEstimate:
+    """``estimate`` labelled with its calibration's name and the band of its plan's ``kind``; or,
+    uncalibrated, with the band ``uncalibrated`` (None: unknown), whose runs split tensors at
+    most ``uncalibrated_tensor`` ways. Marked :attr:`~StepEstimate.outside` the samples the band
+    was measured on where none of them is of that kind (the band is then every sample's), or
+    where ``mesh``, the plan's, has a tensor axis wider than any of theirs."""
+    widest = calibration.widest_tensor if calibration is not None else uncalibrated_tensor if uncalibrated else None
+    reasons = []
+    if calibration is not None and not any(s.kind == kind for s in calibration.samples):
+        reasons.append(f"no sample {KIND_WORDS[kind]}")
+    if mesh and widest is not None and tensor_width(mesh) > widest:
+        reasons.append(f"tensors split {tensor_width(mesh)} ways, no sample's more than {widest}")
+    outside = "; ".join(reasons) or None
     if calibration is None:
-        return estimate.model_copy(update={"band": uncalibrated})
-    outside = None if any(s.kind == kind for s in calibration.samples) else f"no sample {KIND_WORDS[kind]}"
+        return estimate.model_copy(update={"band": uncalibrated, "outside": outside})
     return estimate.model_copy(update={"calibration": calibration.name, "band": calibration.band(kind), "outside": outside})

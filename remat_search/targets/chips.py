@@ -102,3 +102,7 @@ model's estimate of the published configuration, lowest and highest, over the pu
 of that generation (benchmarks/results/published_configs.md: three on v5e, three on v5p,
 thirteen on v6e; tests/targets/test_calibration.py checks these against the page). A generation
 without published runs has no band: its error is unknown."""
+
+PUBLISHED_TENSOR: dict[str, int] = {"v5e": 1, "v5p": 8, "v6e": 1}
+"""The widest tensor axis of those published runs, by generation (v5p-128b's ``tensor=8``; the
+v5e and v6e runs shard by FSDP alone): an uncalibrated estimate over a wider one is outside them."""

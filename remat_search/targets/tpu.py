@@ -13,7 +13,7 @@ from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
 from remat_search.targets.platform import quiet_libtpu
 from remat_search.targets.calibration import load_calibration, with_band
-from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS
+from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS, PUBLISHED_TENSOR
 from remat_search.targets.step_time import UNCALIBRATED, StepEstimate, estimate_step
 from remat_search.units import size_argument
 
@@ -66,11 +66,13 @@ class TpuAotTarget(Target):
     def memory_limit(self, mesh: Any) -> int:
         return probe_hbm(mesh)
 
-    def estimate(self, hlo: str, cost: dict[str, float], kind: str = "recompute") -> StepEstimate:
+    def estimate(self, hlo: str, cost: dict[str, float], kind: str = "recompute",
+                 mesh: dict[str, int] | None = None) -> StepEstimate:
         efficiencies = self.calibration.efficiencies if self.calibration is not None else UNCALIBRATED
         estimate = estimate_step(hlo, self.chip, cost, efficiencies)
         kind = "offload" if estimate.host_bytes else kind  # a memory knob offloads too
-        return with_band(estimate, self.calibration, kind, PUBLISHED_BANDS.get(self.generation))  # type: ignore[arg-type]
+        return with_band(estimate, self.calibration, kind, PUBLISHED_BANDS.get(self.generation),  # type: ignore[arg-type]
+                         mesh=mesh, uncalibrated_tensor=PUBLISHED_TENSOR.get(self.generation))
 
 
 def _topology_devices(topology: str) -> list[Any]:

@@ -192,7 +192,8 @@ def test_an_estimate_of_a_kind_no_sample_has_says_it_is_outside_them(tmp_path: P
     within, offload = with_band(estimate, calibration, "recompute"), with_band(estimate, calibration, "offload")
     assert within.outside is None and offload.outside == "no sample offloads"
     assert offload.band == calibration.band() == (1 / 1.02, 1 / 0.96)
-    assert "outside its samples (no sample offloads)" in band_text(offload) and "outside" not in band_text(within)
+    assert "every sample were 0.98–1.04×" in band_text(offload) and "outside" not in band_text(within)
+    assert band_text(offload).endswith("; outside its samples (no sample offloads): an extrapolation")
 
     def trial(e: StepEstimate) -> TrialResult:
         return TrialResult(number=0, status="measured", measurement=Measurement(
@@ -200,3 +201,27 @@ def test_an_estimate_of_a_kind_no_sample_has_says_it_is_outside_them(tmp_path: P
 
     assert estimate_mark(trial(offload)) == "cal. est. ×0.98-1.04, outside its samples"
     assert estimate_mark(trial(within)) == "cal. est. ×0.98-1.04"
+
+
+def test_an_estimate_over_a_tensor_axis_wider_than_any_samples_says_so() -> None:
+    """MaxText's published v5p runs split tensors at most 8 ways (v5p-128b): a plan over 16 ways is
+    outside them, calibrated (published_programs/v5.json, its samples' meshes) or not (the
+    published runs' band); 8 ways, or an FSDP mesh of any size, is within."""
+    from remat_search.report.text import band_text
+    from remat_search.targets.calibration import with_band
+    from remat_search.targets.chips import PUBLISHED_BANDS, PUBLISHED_TENSOR
+    from remat_search.targets.step_time import StepEstimate
+
+    v5 = load_calibration(Path(__file__).resolve().parents[2] / "benchmarks/results/published_programs/v5.json")
+    assert v5.widest_tensor == PUBLISHED_TENSOR["v5p"] == 8
+    estimate = StepEstimate(seconds=1.0, compute_seconds=1.0, collective_seconds=0.0, flops=0.0, hbm_bytes=0.0,
+                            collective_bytes=0.0, instructions=1)
+    for calibration, band in ((v5, None), (None, PUBLISHED_BANDS["v5p"])):
+        def marked(mesh: dict[str, int]) -> str | None:
+            return with_band(estimate, calibration, "recompute", band, mesh=mesh,
+                             uncalibrated_tensor=PUBLISHED_TENSOR["v5p"]).outside
+        assert marked({"fsdp": 16, "tensor": 16}) == "tensors split 16 ways, no sample's more than 8"
+        assert marked({"fsdp": 32, "tensor": 8}) is None and marked({"fsdp": 512}) is None
+        assert marked({"fsdp": 8, "tensor": 4, "tensor_sequence": 4}) is not None
+    wide = with_band(estimate, v5, "recompute", mesh={"fsdp": 16, "tensor": 16})
+    assert band_text(wide).endswith("outside its samples (tensors split 16 ways, no sample's more than 8): an extrapolation")
