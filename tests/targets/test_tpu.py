@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import remat_search
+from remat_search.report.text import estimate_mark
 from remat_search import LayerPolicy, RematPlan, SpecError, build_workload
 from remat_search.measure.executables import Executables, measure
 from remat_search.measure.program import io_bytes
@@ -246,3 +247,7 @@ def test_a_factory_gets_the_targets_mesh_through_use_mesh_and_compiles_with_its_
     )))
     assert [t.status for t in report.trials] == ["measured", "measured"]
     assert report.device["mesh"] == {"data": 2, "tensor": 2}
+    # MaxText's published v5e runs shard by FSDP alone: an estimate over a tensor axis is outside them.
+    assert m.estimate is not None and m.estimate.outside == "tensors split 2 ways, no sample's more than 1"
+    assert all(t.measurement.estimate.outside == m.estimate.outside for t in report.trials)
+    assert estimate_mark(report.trials[0]).endswith(", outside its samples")
