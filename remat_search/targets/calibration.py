@@ -117,7 +117,8 @@ class Fitted(BaseModel):
 
 
 class Calibration(BaseModel):
-    """The step-time model's figures fitted on measured steps, and its leave-one-out error."""
+    """The step-time model's figures fitted on measured steps, and its error left out (one sample,
+    and one model family, at a time)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -142,6 +142,10 @@ def test_bad_samples_name_the_field(tmp_path: Path) -> None:
         load_samples(tmp_path / "b.json")
     with pytest.raises(SpecError, match="unknown chip"):
         chip_of("tpu9")
+    (tmp_path / "c.json").write_text(json.dumps([{"label": "x", "chip": "v5p", "program": "p.hlo", "measured_seconds": 1,
+                                                  "kind": "keep", "mesh": {"tensor": "wide"}}]))
+    with pytest.raises(SpecError, match=r"^calibrate: samples file .*c.json \[0\].mesh.tensor: Input should be a valid integer"):
+        load_samples(tmp_path / "c.json")
 
 
 def test_a_generation_without_published_runs_has_no_band() -> None:
