@@ -50,7 +50,8 @@ def _independent_compile(order: str, policy: str) -> MemoryBreakdown:
     workload = build_workload(TransformerConfig.model_validate(MODEL))
     workload.use_mesh(mesh)
     step = workload.step(RematPlan.uniform(policy, workload.layers), mesh)
-    return MemoryBreakdown.of(step.lower(*workload.abstract_inputs(mesh)).compile(), platform="tpu")
+    compiled = step.lower(*workload.abstract_inputs(mesh)).compile()
+    return MemoryBreakdown.of(compiled, platform="tpu", hbm=target_of(TpuTarget.model_validate(V5E)).memory_limit(mesh))
 
 
 def test_a_tpu_studys_peaks_are_those_over_the_mesh_jax_make_mesh_builds(
