@@ -46,7 +46,7 @@ from typing import Any
 import optuna
 
 import remat_search
-from remat_search.measure.measurement import RawMeasurement, judge
+from remat_search.measure.measurement import judge
 from remat_search.plans.configuration import BATCH_AXES
 from remat_search.report.results import StudyReport, TrialResult, rank
 from remat_search.spec.loading import parse_spec
@@ -316,8 +316,7 @@ def reread(report: StudyReport) -> StudyReport:
             trials.append(t)
             continue
         memory = m.memory if m.memory.hbm is not None else m.memory.model_copy(update={"hbm": report.budget})
-        raw = RawMeasurement(**{k: v for k, v in m if k in RawMeasurement.model_fields} | {"memory": memory})
-        now = judge(raw, budget=report.budget)
+        now = judge(m.raw.model_copy(update={"memory": memory}), budget=report.budget)
         if now.status != t.status:
             RE_READ.add((report.study, t.number))
         trials.append(t.model_copy(update={"measurement": now, "status": now.status}))
