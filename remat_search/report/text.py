@@ -265,7 +265,8 @@ def _estimate_line(m: RawMeasurement) -> str:
         f"  step: estimated {format_seconds(e.seconds)} by the per-instruction model: compute and memory "
         f"{format_seconds(e.compute_seconds)} over {e.instructions} instructions ({e.flops / 1e9:.1f} GFLOP{padded}, "
         f"{e.hbm_bytes / 1e9:.2f} GB of HBM traffic per chip) + collectives {format_seconds(e.collective_seconds)} "
-        f"({e.collective_bytes / 1e9:.3f} GB over ICI, not overlapped){host}{old}; nothing was run\n"
+        f"waited for ({e.collective_bytes / 1e9:.3f} GB over ICI, the asynchronous ones overlapped with the compute "
+        f"scheduled beside them){host}{old}; nothing was run\n"
         f"  error: {band_text(e)}"
     )
 

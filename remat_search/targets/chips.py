@@ -23,6 +23,11 @@ class Chip(BaseModel):
     ici_bytes_per_second: float | None = None
     """What one chip's links carry in one direction (half the published bidirectional
     per-chip ICI bandwidth); None where Google Cloud publishes no per-chip figure."""
+    ici_links: int = 1
+    """The chip's inter-chip links, over which :attr:`ici_bytes_per_second` is spread: 4 on a 2D
+    torus (v5e, v6e), 6 on a 3D one (v4, v5p). A ring collective over a group receives over
+    them all (the model's assumption); a ``collective-permute``, each chip sending to one
+    neighbour, over one."""
     host_bytes_per_second: float | None = None
     """What the chip's link to its host's memory carries in one direction: the price of
     moving an offloaded tensor to pinned host memory or back. None: not priced."""
@@ -46,13 +51,13 @@ works with, used for every generation. An assumption, stated where estimates are
 # gives no per-chip ICI bandwidth. The host link: TPU_HOST_BYTES_PER_SECOND. The MXU's side:
 # 128 up to v5p, 256 on v6e (:mod:`remat_search.targets.mxu`).
 CHIPS = {
-    "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9,
+    "v4": Chip(name="TPU v4", bf16_flops=275e12, hbm_bytes_per_second=1228e9, ici_links=6,
                host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
-    "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9, ici_bytes_per_second=200e9,
+    "v5e": Chip(name="TPU v5e", bf16_flops=197e12, hbm_bytes_per_second=819e9, ici_bytes_per_second=200e9, ici_links=4,
                 host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
-    "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9,
+    "v5p": Chip(name="TPU v5p", bf16_flops=459e12, hbm_bytes_per_second=2765e9, ici_bytes_per_second=600e9, ici_links=6,
                 host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=128),
-    "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9,
+    "v6e": Chip(name="TPU v6e", bf16_flops=918e12, hbm_bytes_per_second=1640e9, ici_bytes_per_second=400e9, ici_links=4,
                 host_bytes_per_second=TPU_HOST_BYTES_PER_SECOND, mxu=256),
 }
 

@@ -25,16 +25,20 @@ def is_collective(ins: Instruction) -> bool:
         ins.opcode == "custom-call" and 'custom_call_target="AsyncCollective' in ins.attributes)
 
 
-def collectives(computation: Computation, instructions: list[Instruction]) -> dict[str, float]:
+def collectives(computation: Computation, instructions: list[Instruction]) -> dict[str, tuple[float, bool]]:
     """Bytes received per chip by each collective among ``instructions``, by channel (or by
-    name, for one without)."""
-    found = {}
+    name, for one without), and whether they come over one link: a ``collective-permute``
+    sends each chip's bytes to one neighbour, where a ring collective over a group receives
+    over every link its group spans."""
+    found: dict[str, tuple[float, bool]] = {}
     for ins in instructions:
         kind = ins.opcode.removesuffix("-start")
         if kind in COLLECTIVES:
             channel = _CHANNEL.search(ins.attributes)
             key = f"channel {channel[1]}" if channel else f"{computation.name}/{ins.name}"
-            found[key] = max(found.get(key, 0.0), collective_bytes(computation, ins, kind))
+            nbytes = collective_bytes(computation, ins, kind)
+            if nbytes >= found.get(key, (0.0, False))[0]:
+                found[key] = (nbytes, kind == "collective-permute")
     return found
 
 

@@ -17,12 +17,17 @@ the chip would execute it, one scheduled instruction after another, and prices e
 * a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute; also
   those the TPU compiler fused with a matmul, and those a v6e's SparseCore runs, called
   asynchronously on its own thread: ``call-start``) costs the bytes each chip receives in a ring over
-  its group, at the chip's inter-chip (ICI) bandwidth, with **no overlap** with computation
-  assumed: an upper bound on communication's share, which is how a fully rematerialised FSDP
-  layer's second gather of its weights shows. Its buffers cost no HBM time (the chip's DMA
-  engines fill them as the slower ICI delivers), also where the TPU compiler chains it over
-  fusions (``AsyncCollectiveStart`` … ``AsyncCollectiveDone``): those fusions cost what else
-  they compute;
+  its group, at the chip's inter-chip (ICI) bandwidth, over all of its links
+  (:attr:`Chip.ici_links`); a ``collective-permute``, each chip sending to one neighbour (a
+  collective matmul's steps), over one. Computation waits for it whole where it runs
+  synchronously, which is how a fully rematerialised FSDP layer's second gather of its weights
+  shows; where it runs asynchronously beside computation, only for what that computation does
+  not cover: an asynchronous one (``…-start`` … ``…-done``) overlaps the instructions scheduled
+  between its start and its done, and one the TPU compiler chains over fusions
+  (``AsyncCollectiveStart`` … ``AsyncCollectiveDone``, a channel printed in each) the fusions
+  scheduled between its first and its last. Its buffers cost no HBM time (the chip's DMA
+  engines fill them as the slower ICI delivers): the chained fusions cost what else they
+  compute;
 * a transfer to or from pinned host memory (``S(5)``: an ``offload`` policy's tensors) costs
   its bytes at the chip's host link (:attr:`Chip.host_bytes_per_second`), one transfer after
   another on the link, overlapped with the instructions scheduled between the transfer's
@@ -34,10 +39,11 @@ the chip would execute it, one scheduled instruction after another, and prices e
 
 What it leaves out: the vector unit's own throughput (elementwise FLOPs are priced by their
 bytes alone), XLA's own matmuls' padding to the MXU's tiles (the compiler lays their
-dimensions out, folding heads into one, say: the HLO does not say how), overlap of on-chip copies and collectives with
-computation, per-instruction launch overheads, and the host's own work. It is a lower bound on compute and memory time
-and an upper bound on communication, deterministic, and the same for every plan of a study:
-good for ranking plans, not a promise of wall time.
+dimensions out, folding heads into one, say: the HLO does not say how), overlap of on-chip copies and of
+collectives the program runs synchronously with computation, which links a collective's group
+spans on the torus, per-instruction launch overheads, and the host's own work. It is a lower
+bound on compute and memory time and an upper bound on communication, deterministic, and the
+same for every plan of a study: good for ranking plans, not a promise of wall time.
 
 What each instruction does is read once (:mod:`remat_search.targets.work`, from the HLO text by
 :mod:`~remat_search.targets.hlo`: FLOPs by :mod:`~remat_search.targets.matmuls`, bytes by
@@ -53,6 +59,7 @@ program's total FLOPs and bytes) is kept beside it for one release.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -100,7 +107,9 @@ class StepEstimate(BaseModel):
     compute_seconds: float
     """Sum over the executed instructions of max(MXU FLOPs / peak, HBM bytes / bandwidth)."""
     collective_seconds: float
-    """Collectives' bytes received per chip at the ICI bandwidth (0 where the chip has no figure)."""
+    """The time computation waits for collectives: their bytes received per chip at the ICI
+    bandwidth, less what computation scheduled beside an asynchronous one covers (0 where the
+    chip has no figure)."""
     flops: float
     hbm_bytes: float
     mxu_flops: float = 0.0
@@ -145,11 +154,9 @@ def price(work: Work, chip: Chip, efficiencies: Efficiencies = UNCALIBRATED) -> 
     """One step of ``work`` on ``chip`` at ``efficiencies``."""
     pricing = _Pricing(work, chip, efficiencies)
     total = pricing.computation(work.entry)
-    ici = chip.ici_bytes_per_second * efficiencies.ici if chip.ici_bytes_per_second else None
-    collective = total.collective_bytes / ici if ici else 0.0
     return StepEstimate(
-        seconds=total.compute_seconds + total.host_wait_seconds + collective, compute_seconds=total.compute_seconds,
-        collective_seconds=collective, flops=total.flops, mxu_flops=total.mxu_flops, hbm_bytes=total.hbm_bytes,
+        seconds=total.compute_seconds + total.host_wait_seconds + total.collective_seconds,
+        compute_seconds=total.compute_seconds, collective_seconds=total.collective_seconds, flops=total.flops, mxu_flops=total.mxu_flops, hbm_bytes=total.hbm_bytes,
         collective_bytes=total.collective_bytes, instructions=total.instructions,
         unknown_trip_counts=total.unknown_trips, host_bytes=total.host_bytes,
         host_seconds=pricing.link_seconds(total.host_bytes), host_wait_seconds=total.host_wait_seconds,
@@ -178,22 +185,33 @@ class _Cost:
     host_bytes: float = 0.0
     host_wait_seconds: float = 0.0
     """Time computation waits for transfers to or from host memory."""
-    channels: dict[str, float] = field(default_factory=dict)
-    """Bytes of collectives by channel: the TPU compiler splits one collective over a chain of
-    fusions, each printing it whole, so a channel counts once a computation."""
+    collective_seconds: float = 0.0
+    """Collectives' time that computation waits for: a synchronous one's whole, an asynchronous
+    one's beyond the computation scheduled between its start and its done."""
+    channels: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    """Bytes of synchronous collectives by channel (and whether over one link): the TPU compiler
+    splits one collective over a chain of fusions, each printing it whole, so a channel counts
+    once a computation."""
 
     def add(self, other: _Cost, times: int = 1) -> None:
         self.flops += other.flops * times
         self.mxu_flops += other.mxu_flops * times
         self.hbm_bytes += other.hbm_bytes * times
         self.collective_bytes += other.collective_bytes * times
-        for channel, nbytes in other.channels.items():
-            self.channels[channel] = max(self.channels.get(channel, 0.0), nbytes)
+        self.collective_seconds += other.collective_seconds * times
+        _merge(self.channels, other.channels.items())
         self.instructions += other.instructions * times
         self.unknown_trips += other.unknown_trips * times
         self.compute_seconds += other.compute_seconds * times
         self.host_bytes += other.host_bytes * times
         self.host_wait_seconds += other.host_wait_seconds * times
+
+
+def _merge(channels: dict[str, tuple[float, bool]], found: Iterable[tuple[str, tuple[float, bool]]]) -> None:
+    """Add collectives ``found`` to ``channels``, a channel's largest once."""
+    for channel, (nbytes, one_link) in found:
+        if nbytes >= channels.get(channel, (0.0, False))[0]:
+            channels[channel] = (nbytes, one_link)
 
 
 class _Pricing:
@@ -205,6 +223,8 @@ class _Pricing:
         self.hbm_rate = chip.hbm_bytes_per_second * efficiencies.hbm
         self.link_rate = chip.host_bytes_per_second * efficiencies.host_link if chip.host_bytes_per_second else None
         self.overlap = chip.host_overlap if efficiencies.host_overlap is None else efficiencies.host_overlap
+        self.ici_rate = chip.ici_bytes_per_second * efficiencies.ici if chip.ici_bytes_per_second else None
+        self.ici_links = chip.ici_links
         self.memo: dict[str, _Cost] = {}
 
     def seconds(self, op: Op) -> float:
@@ -214,6 +234,13 @@ class _Pricing:
     def link_seconds(self, nbytes: float) -> float:
         """``nbytes`` over the chip's host link (0 where the chip has no figure)."""
         return nbytes / self.link_rate if self.link_rate else 0.0
+
+    def ici_seconds(self, nbytes: float, one_link: bool) -> float:
+        """``nbytes`` received over the chip's inter-chip links: all of them, or one (0 where the
+        chip has no figure)."""
+        if not self.ici_rate:
+            return 0.0
+        return nbytes / self.ici_rate * (self.ici_links if one_link else 1)
 
     def computation(self, name: str) -> _Cost:
         """The cost of running computation ``name`` once, as a schedule of instructions.
@@ -229,6 +256,9 @@ class _Pricing:
         total = _Cost()
         cover = link = 0.0  # the link's view of this computation's time so far, and when it is next free
         running: dict[str, float] = {}  # asynchronous host transfers: when each ends
+        clock = 0.0  # this computation's time so far, as computation waits for it
+        collectives: dict[str, float] = {}  # asynchronous collectives: when each ends, on the clock
+        chained: dict[str, tuple[float, float]] = {}  # a fused collective's channel: its first fusion's end, its last's start
         for op in self.work.computations.get(name, ()):
             if op.priced and not op.host_bytes:  # most instructions: summed here, as op() and add() would
                 seconds = self.seconds(op)
@@ -237,9 +267,17 @@ class _Pricing:
                 total.hbm_bytes += op.hbm_bytes
                 total.instructions += 1
                 total.compute_seconds += seconds
-                for channel, nbytes in op.channels:
-                    total.channels[channel] = max(total.channels.get(channel, 0.0), nbytes)
+                _merge(total.channels, op.channels)
+                for channel, _ in op.channels:
+                    chained[channel] = (chained.get(channel, (clock + seconds,))[0], clock)
                 cover += self.overlap * seconds
+                clock += seconds
+                continue
+            if op.collective and op.starts:  # an asynchronous collective: on the ICI beside computation
+                total.instructions += 1
+                for _, (nbytes, one_link) in op.channels:
+                    total.collective_bytes += nbytes
+                    collectives[op.name] = max(collectives.get(op.name, clock), clock + self.ici_seconds(nbytes, one_link))
                 continue
             cost = self.op(op)
             total.add(cost)
@@ -254,11 +292,22 @@ class _Pricing:
                     wait = max(0.0, link - cover - self.overlap * busy)
             elif op.waits_for in running:
                 wait = max(0.0, running.pop(op.waits_for) - cover - self.overlap * busy)
+            elif op.waits_for in collectives:
+                waited = max(0.0, collectives.pop(op.waits_for) - clock - busy)
+                total.collective_seconds += waited
+                cover += waited
+                clock += waited
             total.host_wait_seconds += wait
             cover += self.overlap * busy + wait
+            clock += busy + wait + cost.collective_seconds
         if running:
             total.host_wait_seconds += max(0.0, max(running.values()) - cover)
-        total.collective_bytes += sum(total.channels.values())
+        if collectives:
+            total.collective_seconds += max(0.0, max(collectives.values()) - clock)
+        total.collective_bytes += sum(nbytes for nbytes, _ in total.channels.values())
+        for channel, found in total.channels.items():
+            first_end, last_start = chained.get(channel, (0.0, 0.0))
+            total.collective_seconds += max(0.0, self.ici_seconds(*found) - max(0.0, last_start - first_end))
         total.channels = {}
         self.memo[name] = total
         return total

@@ -32,8 +32,9 @@ class Op:
     mxu_flops: float = 0.0
     """:attr:`flops` padded to the matrix unit's tiles, where the chip has one."""
     hbm_bytes: float = 0.0
-    channels: tuple[tuple[str, float], ...] = ()
-    """Bytes each collective it runs (or a fusion of it runs) delivers per chip, by channel."""
+    channels: tuple[tuple[str, tuple[float, bool]], ...] = ()
+    """Bytes each collective it runs (or a fusion of it runs) delivers per chip, by channel, and
+    whether over one link (a ``collective-permute``: :func:`~remat_search.targets.collectives.collectives`)."""
     collective: bool = False
     """A collective itself (counted as an instruction, priced by its channel)."""
     host_bytes: float = 0.0

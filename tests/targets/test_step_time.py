@@ -256,6 +256,45 @@ def test_an_asynchronous_collectives_fusions_move_on_hbm_only_what_they_compute(
     assert e.collective_bytes == 16 * 256 * 2 * 3 / 4  # one channel, received once
     assert e.hbm_bytes == (64 * 16 + 16 * 256 + 64 * 256) * 2  # the matmul's operands and result
     assert e.flops == 2 * 64 * 256 * 16
+    # The gather runs on the ICI while the matmul's fusion computes: computation waits only for
+    # the rest (the matmul moves 43,008 bytes of HBM, 4.3e-5 s; the gather takes 6.1e-5 s).
+    matmul = (64 * 16 + 16 * 256 + 64 * 256) * 2 / 1e9
+    assert e.collective_seconds == pytest.approx(16 * 256 * 2 * 3 / 4 / 1e8 - matmul)
+    assert e.seconds == pytest.approx(e.compute_seconds + e.collective_seconds)
+
+
+PERMUTING = """HloModule permuting, is_scheduled=true
+
+%fused_scale (param_0.1: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0.1 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %multiply.1 = f32[1024,1024]{1,0} multiply(%param_0.1, %param_0.1)
+}
+
+ENTRY %main (x: f32[1024,1024], y: f32[256,256]) -> f32[256,256] {
+  %x = f32[1024,1024]{1,0} parameter(0)
+  %y = f32[256,256]{1,0} parameter(1)
+  %cp-start = (f32[256,256]{1,0}, f32[256,256]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%y), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %scaled = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_scale
+  ROOT %cp-done = f32[256,256]{1,0} collective-permute-done(%cp-start)
+}
+"""
+"""A collective matmul's step as the TPU compiler schedules it (v5p, ``tensor`` > 1): each chip
+sends a shard to its neighbour while the chip computes."""
+
+
+def test_an_asynchronous_permute_crosses_one_link_beside_the_computation_scheduled_before_its_done() -> None:
+    # Its 256 KiB go to one neighbour over one of a 2D torus' four links: 1.05e-2 s at 1e8 B/s
+    # spread over four; the scaling fusion between its start and its done (8 MiB, 8.4e-3 s) hides
+    # the rest. Over a chip of one link it hides it all; scheduled with nothing between, none.
+    sent, scale = 256 * 256 * 4, 2 * 1024 * 1024 * 4 / 1e9
+    torus = CHIP.model_copy(update={"ici_links": 4})
+    e = estimate_step(PERMUTING, torus)
+    assert e.collective_bytes == sent and e.compute_seconds == pytest.approx(scale)
+    assert e.collective_seconds == pytest.approx(4 * sent / 1e8 - scale)
+    assert e.seconds == pytest.approx(e.compute_seconds + e.collective_seconds)
+    assert estimate_step(PERMUTING, CHIP).collective_seconds == 0
+    back_to_back = PERMUTING.replace("  %scaled = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_scale\n", "")
+    assert estimate_step(back_to_back, torus).collective_seconds == pytest.approx(4 * sent / 1e8)
 
 
 STEPPED = """HloModule stepped, is_scheduled=true
