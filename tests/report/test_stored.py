@@ -5,13 +5,17 @@ reused and cached trials (a plan's later trials), plans over the budget, plans s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy
 
 import remat_search
 from remat_search import RematPlan
@@ -22,6 +26,7 @@ from remat_search.report.results import StudyReport, study_report
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig
 from remat_search.report.stored import open_study
+from remat_search.store import cache
 from remat_search.store.reading import external_value
 
 from tests.conftest import CHOICES, REPO, TINY_TRANSFORMER, spec_dict
@@ -30,6 +35,10 @@ from tests.factories import delayed
 
 def _through_optuna(study: str, storage: str) -> StudyReport:
     return study_report(optuna.load_study(study_name=study, storage=storage))
+
+
+SCREENED = {**TINY_TRANSFORMER, "layers": 3, "batch": 8, "seq_len": 64}
+SCREENED_SPACE = {"layout": "per_layer", "choices": CHOICES}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +51,9 @@ def studies(tmp_path_factory: pytest.TempPathFactory) -> str:
     ``again`` (uniform full/dots, same workload): every trial from ``reorder``'s measurements
     (cached), so a plan has several timed trials; its confirmation slows dots, whose later
     trials keep the fast search time, which only the plan's first trial may give.
-    ``presets`` and ``screening`` (tests/search/test_planner.py's): only full remat fits, and the
-    cost model screens plans out without compiling them (pruned trials, no values)."""
+    ``presets`` and ``screening``: only full remat fits, and the cost model screens plans out
+    without compiling them (pruned trials, no values); what ``screening`` must hold is
+    :func:`test_a_search_screens_out_far_over_plans_without_compiling`'s."""
     folder = tmp_path_factory.mktemp("stored")
     storage = f"sqlite:///{folder / 'studies.db'}"
     delays = folder / "delays.json"
@@ -66,13 +76,11 @@ def studies(tmp_path_factory: pytest.TempPathFactory) -> str:
         space={"layout": "uniform", "choices": ["full", "dots"]}, confirm={"top": 2, "rounds": 3, "presets": False},
     )))
 
-    workload3 = {**TINY_TRANSFORMER, "layers": 3, "batch": 8, "seq_len": 64}
-    space = {"layout": "per_layer", "choices": CHOICES}
     presets = remat_search.run(parse_spec(spec_dict(
-        storage, study="presets", workload=workload3, space=space, trials=4, confirm={"top": 0},
+        storage, study="presets", workload=SCREENED, space=SCREENED_SPACE, trials=4, confirm={"top": 0},
     )))
     remat_search.run(parse_spec(spec_dict(
-        storage, study="screening", workload=workload3, space=space, trials=12, prescreen=1.2, confirm={"top": 0},
+        storage, study="screening", workload=SCREENED, space=SCREENED_SPACE, trials=12, prescreen=1.2, confirm={"top": 0},
         budget=next(t.peak_bytes for t in presets.trials if t.labels[0] == "full") + 1,
         sampler={"kind": "random", "seed": 3},
     )))
@@ -112,6 +120,49 @@ def test_the_studies_have_what_the_queries_must_get_right(studies: str) -> None:
 
     screening = optuna.load_study(study_name="screening", storage=studies)
     assert any(t.state == optuna.trial.TrialState.PRUNED and t.values is None for t in screening.trials)
+
+
+def test_a_search_screens_out_far_over_plans_without_compiling(studies: str, tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    """``screening``: under a budget only full remat fits, a random search records the plans its
+    calibrated cost model predicts far over (``prescreen``) without compiling or caching them, as
+    pruned trials with no objective values: no reader of the study's objectives takes the
+    prediction for a measurement. They count towards the trials asked for. Each of them,
+    compiled, is over the budget. (Moved from tests/search/test_planner.py, whose studies
+    these are: the fixture's search serves both.)"""
+    report = _through_optuna("screening", studies)
+    screened = {t.plan.digest: t for t in report.trials if t.measurement.screened_bytes is not None}
+    assert len(screened) >= 3, "nothing was screened out"
+    assert all(t.status == "over_budget" and not t.measurement.compiled for t in screened.values())
+    numbers = {t.number for t in screened.values()}
+    study = optuna.load_study(study_name="screening", storage=studies)
+    for number in numbers:
+        assert study.trials[number].state == optuna.trial.TrialState.PRUNED and study.trials[number].values is None
+    assert not numbers & {t.number for t in study.best_trials}
+    assert not numbers & {t.number for t in remat_search.pareto_front("screening", studies)}
+    assert len(report.trials) == 12  # pruned trials finish: the search stops at the 12 asked for
+    assert next(s for s in list_studies(studies) if s.study == "screening").complete == 12
+    with sqlalchemy.create_engine(studies).connect() as connection:
+        cached = set(connection.execute(sqlalchemy.select(cache.measurements.c.plan)).scalars())
+    assert not cached & screened.keys()
+    shown = cli("show", "--study", "screening", "--trial", str(next(iter(screened.values())).number), "--storage", studies).stdout
+    assert "screened out, never compiled" in shown
+    plot = tmp_path / "front.png"
+    plotted = cli("pareto", "--study", "screening", "--storage", studies, "--plot", str(plot))
+    assert plotted.exit_code == 0 and plot.stat().st_size > 0
+    # The same search without ``prescreen``, on a copy of the storage (the fixture's stays as the
+    # other tests read it; its measurements cached): it compiles every plan, each screened one over.
+    copy = tmp_path / "copy.db"
+    with contextlib.closing(sqlite3.connect(studies.removeprefix("sqlite:///"))) as source, \
+            contextlib.closing(sqlite3.connect(copy)) as target:
+        source.backup(target)  # with what is still in the write-ahead log
+    compiling = remat_search.run(parse_spec(spec_dict(
+        f"sqlite:///{copy}", study="compiling", workload=SCREENED, space=SCREENED_SPACE, trials=12, budget=report.budget, prescreen=None,
+        confirm={"top": 0}, sampler={"kind": "random", "seed": 3},
+    )))
+    compiled = {t.plan.digest: t for t in compiling.trials}
+    assert screened.keys() <= compiled.keys()  # the same seed proposes the same plans
+    for digest in screened:
+        assert compiled[digest].measurement.compiled and compiled[digest].peak_bytes > report.budget
 
 
 @pytest.mark.parametrize("name", STUDIES)

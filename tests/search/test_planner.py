@@ -12,22 +12,19 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
-import sqlalchemy
 from optuna.trial import TrialState
 from rich.console import Console
 
 import remat_search
-from remat_search.store import cache
 from remat_search.cli import output
 from remat_search.search.cost_model import Observation, fit_cost_model
 from remat_search.search.solver import solve_front
-from remat_search.report.queries import list_studies
 from remat_search.search.advice import plan_for_budget
 from remat_search.spec.loading import parse_spec
 from remat_search.store.attributes import COST_MODEL_ATTR, LAYERS_ATTR, PREDICTION_ATTR
 from remat_search.store.storage import open_storage
 
-from tests.conftest import CHOICES, TINY_TRANSFORMER, spec_dict
+from tests.conftest import spec_dict
 
 
 def _brute_force(memory: np.ndarray, seconds: np.ndarray, cap: float) -> float | None:
@@ -306,53 +303,9 @@ def _rendered(advice: remat_search.Advice) -> str:
     return console.file.getvalue()
 
 
-def test_a_search_screens_out_far_over_plans_without_compiling(  # type: ignore[no-untyped-def]
-    tmp_path: Path, storage_url: str, cli,
-) -> None:
-    """Under a budget only full remat fits, a random search records the plans its calibrated
-    cost model predicts far over (``prescreen``) without compiling or caching them, as pruned
-    trials with no objective values: no reader of the study's objectives takes the prediction
-    for a measurement. They count towards the trials asked for. A study that compiles every
-    plan finds each of them over the budget."""
-    workload = {**TINY_TRANSFORMER, "layers": 3, "batch": 8, "seq_len": 64}
-    space = {"layout": "per_layer", "choices": CHOICES}
-    presets = remat_search.run(parse_spec(spec_dict(
-        storage_url, study="presets", workload=workload, space=space, trials=4, confirm={"top": 0},
-    )))
-    budget = next(t.peak_bytes for t in presets.trials if t.labels[0] == "full") + 1
-
-    def search(study: str, prescreen: float | None) -> remat_search.StudyReport:
-        return remat_search.run(parse_spec(spec_dict(
-            storage_url, study=study, workload=workload, space=space, trials=12, budget=budget,
-            prescreen=prescreen, confirm={"top": 0}, sampler={"kind": "random", "seed": 3},
-        )))
-
-    report = search("screening", 1.2)
-    screened = {t.plan.digest: t for t in report.trials if t.measurement.screened_bytes is not None}
-    assert len(screened) >= 3, "nothing was screened out"
-    assert all(t.status == "over_budget" and not t.measurement.compiled for t in screened.values())
-    numbers = {t.number for t in screened.values()}
-    study = optuna.load_study(study_name="screening", storage=storage_url)
-    for number in numbers:
-        assert study.trials[number].state == TrialState.PRUNED and study.trials[number].values is None
-    assert not numbers & {t.number for t in study.best_trials}
-    assert not numbers & {t.number for t in remat_search.pareto_front("screening", storage_url)}
-    assert len(report.trials) == 12  # pruned trials finish: the search stops at the 12 asked for
-    assert next(s for s in list_studies(storage_url) if s.study == "screening").complete == 12
-    with sqlalchemy.create_engine(storage_url).connect() as connection:
-        cached = set(connection.execute(sqlalchemy.select(cache.measurements.c.plan)).scalars())
-    assert not cached & screened.keys()
-    shown = cli("show", "--study", "screening", "--trial", str(next(iter(screened.values())).number),
-                "--storage", storage_url).stdout
-    assert "screened out, never compiled" in shown
-    plot = tmp_path / "front.png"
-    plotted = cli("pareto", "--study", "screening", "--storage", storage_url, "--plot", str(plot))
-    assert plotted.exit_code == 0 and plot.stat().st_size > 0
-
-    compiled = {t.plan.digest: t for t in search("compiling", None).trials}
-    assert screened.keys() <= compiled.keys()  # the same seed proposes the same plans
-    for digest in screened:
-        assert compiled[digest].measurement.compiled and compiled[digest].peak_bytes > budget
+# A search that screens plans out without compiling them (``prescreen``): its studies are
+# tests/report/test_stored.py's ``presets`` and ``screening``, and its test
+# (test_a_search_screens_out_far_over_plans_without_compiling) is there, on the fixture's search.
 
 
 def test_plan_advises_the_best_measured_plan_when_the_model_s_plan_is_slower(  # type: ignore[no-untyped-def]

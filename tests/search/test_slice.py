@@ -6,6 +6,7 @@ loopback, not a chip (``benchmarks/slice_kills.py`` reports them)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from optuna.trial import TrialState
 
 import remat_search
 from remat_search.errors import SLICE_RESTART_EXIT
-from remat_search.report.results import study_report
+from remat_search.report.results import StudyReport, study_report
 from remat_search.search.slice import comparable, first_difference
 from remat_search.spec.loading import parse_spec
 
@@ -42,19 +43,28 @@ def _finish(procs: list[Any]) -> list[str]:
     return logs
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, StudyReport]:
+    """The slice's study (``COMMON``) on one process with 4 devices, once for every slice that is
+    compared with it: its storage home (the references it saved) and its report."""
+    folder = tmp_path_factory.mktemp("single")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4")
+        patch.setenv("REMAT_SEARCH_HOME", str(folder / "home"))
+        report = remat_search.run(parse_spec(spec_dict(f"sqlite:///{folder / 'one.db'}", study="s", **COMMON)))
+    return folder / "home", report
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Any, processes: int
+    tmp_path: Path, home: Path, cli: Any, single: tuple[Path, StudyReport], processes: int
 ) -> None:
-    """The same study on one process with 4 devices, then on a slice of ``processes`` processes
-    with 4 devices in all: the same plans, the same verdicts, each trial's peak equal to the
-    byte, the same losses; and on the slice each plan's first step is checked against the
+    """The same study on one process with 4 devices (``single``), then on a slice of ``processes``
+    processes with 4 devices in all: the same plans, the same verdicts, each trial's peak equal
+    to the byte, the same losses; and on the slice each plan's first step is checked against the
     reference the single process saved (every process loaded it)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=4")
-    single = remat_search.run(parse_spec(spec_dict(f"sqlite:///{tmp_path / 'one.db'}", study="s", **COMMON)))
-    monkeypatch.setenv("XLA_FLAGS", flags)  # not undo(): that would undo the test's own storage home too
-
+    single_home, single_report = single
+    shutil.copytree(single_home, home, dirs_exist_ok=True)  # the references it saved, in this test's storage home
     storage = f"sqlite:///{tmp_path / 'slice.db'}"
     spec = write_spec(tmp_path / "slice.yaml", spec_dict(storage, study="s", **COMMON))
     logs = _finish(slice_processes([spec] * processes, port=slice_port(), devices=4 // processes))
@@ -63,7 +73,7 @@ def test_a_slice_measures_every_trial_as_one_process_with_the_same_devices(
 
     report = study_report(optuna.load_study(study_name="s", storage=storage))
     assert report.device["processes"] == processes and report.device["device_count"] == 4
-    by_plan = {t.plan.digest: t for t in single.trials}
+    by_plan = {t.plan.digest: t for t in single_report.trials}
     assert {t.plan.digest for t in report.trials} == set(by_plan)
     for trial in report.trials:
         one, m = by_plan[trial.plan.digest].measurement, trial.measurement
