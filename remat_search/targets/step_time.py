@@ -250,7 +250,13 @@ class _Pricing:
         instruction that waits for it (its ``-done``) waits only for what the instructions
         scheduled between them did not cover, of which the chip runs :attr:`overlap` beside
         the link (``cover`` is the time the link has seen go by); a synchronous one waits for
-        itself. A transfer still running at the end of the computation is waited for there."""
+        itself. A transfer still running at the end of the computation is waited for there.
+
+        Collectives run on the chip's inter-chip links beside computation, each on its own
+        (``clock`` is the computation's time so far): an asynchronous one is waited for at its
+        done for what the instructions since its start did not cover; a channel the TPU
+        compiler chains over fusions, for what the instructions between its first fusion and
+        its last did not; any other, whole."""
         if name in self.memo:
             return self.memo[name]
         total = _Cost()
