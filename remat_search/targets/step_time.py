@@ -156,7 +156,8 @@ def price(work: Work, chip: Chip, efficiencies: Efficiencies = UNCALIBRATED) -> 
     total = pricing.computation(work.entry)
     return StepEstimate(
         seconds=total.compute_seconds + total.host_wait_seconds + total.collective_seconds,
-        compute_seconds=total.compute_seconds, collective_seconds=total.collective_seconds, flops=total.flops, mxu_flops=total.mxu_flops, hbm_bytes=total.hbm_bytes,
+        compute_seconds=total.compute_seconds, collective_seconds=total.collective_seconds, flops=total.flops,
+        mxu_flops=total.mxu_flops, hbm_bytes=total.hbm_bytes,
         collective_bytes=total.collective_bytes, instructions=total.instructions,
         unknown_trip_counts=total.unknown_trips, host_bytes=total.host_bytes,
         host_seconds=pricing.link_seconds(total.host_bytes), host_wait_seconds=total.host_wait_seconds,
