@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from remat_search.targets.hlo import Computation, Instruction, array_bytes
 
@@ -36,10 +37,16 @@ def collectives(computation: Computation, instructions: list[Instruction]) -> di
         if kind in COLLECTIVES:
             channel = _CHANNEL.search(ins.attributes)
             key = f"channel {channel[1]}" if channel else f"{computation.name}/{ins.name}"
-            nbytes = collective_bytes(computation, ins, kind)
-            if nbytes >= found.get(key, (0.0, False))[0]:
-                found[key] = (nbytes, kind == "collective-permute")
+            keep_largest(found, [(key, (collective_bytes(computation, ins, kind), kind == "collective-permute"))])
     return found
+
+
+def keep_largest(channels: dict[str, tuple[float, bool]], found: Iterable[tuple[str, tuple[float, bool]]]) -> None:
+    """Add collectives ``found`` (bytes and whether over one link, by channel) to ``channels``,
+    a channel's largest once: the TPU compiler prints one collective whole in each fusion of its chain."""
+    for channel, (nbytes, one_link) in found:
+        if nbytes >= channels.get(channel, (0.0, False))[0]:
+            channels[channel] = (nbytes, one_link)
 
 
 

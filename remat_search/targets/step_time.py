@@ -59,12 +59,12 @@ program's total FLOPs and bytes) is kept beside it for one release.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from remat_search.targets.chips import Chip
+from remat_search.targets.collectives import keep_largest
 from remat_search.targets.work import Op, Work, read_work
 
 TIME_MODEL = "fusions"
@@ -200,19 +200,12 @@ class _Cost:
         self.hbm_bytes += other.hbm_bytes * times
         self.collective_bytes += other.collective_bytes * times
         self.collective_seconds += other.collective_seconds * times
-        _merge(self.channels, other.channels.items())
+        keep_largest(self.channels, other.channels.items())
         self.instructions += other.instructions * times
         self.unknown_trips += other.unknown_trips * times
         self.compute_seconds += other.compute_seconds * times
         self.host_bytes += other.host_bytes * times
         self.host_wait_seconds += other.host_wait_seconds * times
-
-
-def _merge(channels: dict[str, tuple[float, bool]], found: Iterable[tuple[str, tuple[float, bool]]]) -> None:
-    """Add collectives ``found`` to ``channels``, a channel's largest once."""
-    for channel, (nbytes, one_link) in found:
-        if nbytes >= channels.get(channel, (0.0, False))[0]:
-            channels[channel] = (nbytes, one_link)
 
 
 class _Pricing:
@@ -274,7 +267,7 @@ class _Pricing:
                 total.hbm_bytes += op.hbm_bytes
                 total.instructions += 1
                 total.compute_seconds += seconds
-                _merge(total.channels, op.channels)
+                keep_largest(total.channels, op.channels)
                 for channel, _ in op.channels:
                     chained[channel] = (chained.get(channel, (clock + seconds,))[0], clock)
                 cover += self.overlap * seconds
