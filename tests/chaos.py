@@ -202,7 +202,7 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
     trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
     return {
-        "kills": killed, "runs": runs, "exits": exits, "seconds": seconds,
+        "kills": killed, "victims": victims, "runs": runs, "exits": exits, "seconds": seconds,
         "finished": sum(counts(t) for t in trials_now),
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
         "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
@@ -248,7 +248,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     :data:`SLICE_EXIT_SECONDS`) and the whole slice is started again. A random process is
     killed (SIGKILL) at a random moment ``kills`` times; then the slice runs to the end.
 
-    Returns ``kills``, ``runs`` (slice starts), ``exits`` (the codes of the processes that
+    Returns ``kills``, ``victims`` (the process id killed each time), ``runs`` (slice starts), ``exits`` (the codes of the processes that
     were not killed, at each kill), ``restart_seconds`` (from each start after the first to the
     first trial it asks for), ``stragglers`` (processes that had to be killed because
     they did not stop by themselves), ``finished``, ``running``, ``lost`` (complete trials
@@ -268,6 +268,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     exits: list[int | None] = []
     workers_seen: set[int] = set()
     killed = runs = stragglers = 0
+    victims: list[int] = []
     final: list[int | None] = []
     restart_seconds: list[float] = []
     odd: list[str] = []  # what a process that exited other than 0 or 42 (and was not killed) said
@@ -292,6 +293,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
         if not last_run and all(p.poll() is None for p in procs):
             victim = rng.choice(procs)
             victim.kill()
+            victims.append(procs.index(victim))
             killed += 1
         end = time.monotonic() + SLICE_EXIT_SECONDS
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
@@ -318,7 +320,7 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
     return {
-        "kills": killed, "runs": runs, "exits": exits, "stragglers": stragglers, "final": final,
+        "kills": killed, "victims": victims, "runs": runs, "exits": exits, "stragglers": stragglers, "final": final,
         "restart_seconds": restart_seconds, "odd": odd,
         "seconds": time.monotonic() - started,
         "finished": sum(counts(t) for t in trials_now),

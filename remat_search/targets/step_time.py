@@ -267,9 +267,10 @@ class _Pricing:
                 total.hbm_bytes += op.hbm_bytes
                 total.instructions += 1
                 total.compute_seconds += seconds
-                keep_largest(total.channels, op.channels)
-                for channel, _ in op.channels:
-                    chained[channel] = (chained.get(channel, (clock + seconds,))[0], clock)
+                if op.channels:
+                    keep_largest(total.channels, op.channels)
+                    for channel, _ in op.channels:
+                        chained[channel] = (chained.get(channel, (clock + seconds,))[0], clock)
                 cover += self.overlap * seconds
                 clock += seconds
                 continue

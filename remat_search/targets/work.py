@@ -49,10 +49,17 @@ class Op:
     calls: str | None = None
     branches: tuple[str, ...] = ()
 
+    @property
+    def inert(self) -> bool:
+        """Costs nothing and waits for nothing a price counts (a parameter, a tuple, a bitcast,
+        a start of neither a transfer nor a collective): :func:`read_work` leaves it out."""
+        return not (self.priced or self.collective or self.host_bytes or self.waits_for or self.body
+                    or self.calls or self.branches)
+
 
 @dataclass
 class Work:
-    """A program's computations as :class:`Op` lists, in schedule order, and its entry."""
+    """A program's computations as :class:`Op` lists, in schedule order (the inert ones left out), and its entry."""
 
     computations: dict[str, list[Op]] = field(default_factory=dict)
     entry: str = ""
@@ -62,8 +69,8 @@ def read_work(hlo: str, mxu: int | None = None) -> Work:
     """The work of the optimized HLO module ``hlo`` (``Compiled.as_text()``), matmuls padded to
     a matrix unit of side ``mxu`` where given."""
     module = parse(hlo)
-    return Work({name: [_op(module, c, ins, mxu) for ins in c.instructions] for name, c in module.computations.items()},
-                module.entry)
+    ops = {name: [_op(module, c, ins, mxu) for ins in c.instructions] for name, c in module.computations.items()}
+    return Work({name: [op for op in c if not op.inert] for name, c in ops.items()}, module.entry)
 
 
 def _op(module: Module, computation: Computation, ins: Instruction, mxu: int | None) -> Op:

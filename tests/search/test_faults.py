@@ -29,10 +29,10 @@ FAULTS: list[tuple[str, dict[str, Any], str]] = [
      "JaxRuntimeError: NOT_FOUND: No FFI handler registered for remat_search_no_such_kernel"),
     ("tests.factories:faulty raise_trace", {}, "RuntimeError: this model is broken (at factories.py:"),
     ("tests.factories:faulty raise_run", {}, "CpuCallback error calling callback: ValueError: the input pipeline broke"),
-    # The timeout bounds the other plans' trials too: 60 s, which no compile and steps of this
+    # The timeout bounds the other plans' trials too: 30 s, which no compile and steps of this
     # MLP come near on a loaded 2-core host (1-3 s), while the hanging one never ends.
-    ("tests.factories:faulty hang", {"timing": {**FAST_TIMING, "timeout": "60s"}},
-     "timed out after 60 s (timing.timeout); worker killed"),
+    ("tests.factories:faulty hang", {"timing": {**FAST_TIMING, "timeout": "30s"}},
+     "timed out after 30 s (timing.timeout); worker killed"),
     ("tests.factories:faulty segfault", {}, "worker died from signal SIGSEGV"),
     ("tests.factories:faulty sigkill", {},
      "worker killed by signal SIGKILL (likely out of host memory: the kernel's OOM killer sends it)"),

@@ -154,13 +154,13 @@ def test_a_process_whose_spec_differs_is_refused_before_any_compile(tmp_path: Pa
     assert "Gloo" not in "".join(logs)  # no worker joined: nothing compiled
 
 
-@pytest.mark.parametrize(("processes", "kills"), [(2, 2), (4, 1)])
-def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_and_loses_nothing(
-    tmp_path: Path, processes: int, kills: int
-) -> None:
-    """The short version of ``benchmarks/slice_kills.py`` (which kills at least 10 times)."""
+def test_killing_any_process_at_random_stops_the_others_with_the_restart_code_and_loses_nothing(tmp_path: Path) -> None:
+    """The short version of ``benchmarks/slice_kills.py`` (which kills at least 10 times): a
+    slice of 4 processes killed twice, the leader then a follower (seed 1 draws processes 0 and
+    3), each time started again. It was two cases, 2 processes killed twice and 4 once."""
+    processes, kills = 4, 2
     seen = chaos_slice(tmp_path, kills=kills, trials=5, processes=processes, seed=1)
-    assert seen["kills"] == kills and seen["final"] == [0] * processes
+    assert seen["kills"] == kills and seen["victims"] == [0, 3] and seen["final"] == [0] * processes
     assert seen["exits"] and all(code in (0, SLICE_RESTART_EXIT) for code in seen["exits"]), seen["odd"]
     assert SLICE_RESTART_EXIT in seen["exits"]
     assert seen["stragglers"] == 0 and not seen["orphans"]
@@ -205,7 +205,7 @@ def test_a_process_that_hangs_is_lost_after_the_heartbeat_timeout_and_its_trial_
     stopped process, starts the slice again, and the study finishes with every trial done."""
     storage = f"sqlite:///{tmp_path / 'slice.db'}"
     spec = write_spec(tmp_path / "slice.yaml", spec_dict(storage, study="hang", **{
-        **COMMON, "trials": 6, "space": {"layout": "per_layer", "choices": ["none", "full", "dots"]},
+        **COMMON, "trials": 4, "space": {"layout": "per_layer", "choices": ["none", "full", "dots"]},
         "confirm": {"top": 0}, "slice": {**SLICE, "heartbeat_timeout": "4s"},
     }))
     port = slice_port()
@@ -224,7 +224,7 @@ def test_a_process_that_hangs_is_lost_after_the_heartbeat_timeout_and_its_trial_
     cut = study.get_trials(states=(TrialState.FAIL,))
     assert cut and study.get_trials(states=(TrialState.WAITING,))  # failed, and its plan queued again
     _finish(slice_processes([spec, spec], port=port, devices=2))
-    assert sum(t.state == TrialState.COMPLETE for t in optuna.load_study(study_name="hang", storage=storage).trials) == 6
+    assert sum(t.state == TrialState.COMPLETE for t in optuna.load_study(study_name="hang", storage=storage).trials) == 4
 
 
 def _complete_trials(storage: str) -> int:

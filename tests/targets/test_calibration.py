@@ -5,6 +5,7 @@ fixture; on measurements made from known figures; through the CLI and a TPU spec
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -23,10 +24,17 @@ from remat_search.targets.calibration import (
 )
 from remat_search.targets.chips import GPUS, PUBLISHED_BANDS
 from remat_search.targets.step_time import Efficiencies, estimate_step, price
-from remat_search.targets.work import read_work
+from remat_search.targets.work import Work, read_work
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 H100 = RESULTS / "samples.json"
+
+
+@functools.cache
+def _work(path: Path, mxu: int | None = None) -> Work:
+    """A kept program's work, read once a test process: reading is the slow part, and the
+    published programs are priced by three kept calibrations (v5, v6e and all of them)."""
+    return read_work(read_program(path), mxu)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,7 @@ def h100() -> Calibration:
 def test_figures_a_program_was_priced_at_are_recovered() -> None:
     """Steps made by pricing real programs at known figures are fitted back to those figures."""
     samples = load_samples(H100)
-    works = [read_work(read_program(path)) for _, path in samples]
+    works = [_work(path) for _, path in samples]
     chips = [GPUS["h100"]] * len(works)
     known = Efficiencies(matmul=0.61, hbm=0.83, host_link=0.7, launch_seconds=6e-6)
     measured = [price(w, c, known).seconds for w, c in zip(works, chips, strict=True)]
@@ -180,7 +188,7 @@ def test_a_kept_calibration_prices_its_samples_as_it_says(kept: str) -> None:
     programs = {s.label: path for s, path in load_samples(folder / "samples.json")}
     for s in calibration.samples:
         chip = chip_of(s.chip)
-        work = read_work(read_program(programs[s.label]), chip.mxu)
+        work = _work(programs[s.label], chip.mxu)
         assert price(work, chip, calibration.efficiencies).seconds == pytest.approx(s.calibrated_seconds, rel=1e-9)
         assert price(work, chip).seconds == pytest.approx(s.uncalibrated_seconds, rel=1e-9)
     if kept.startswith("calibrations/"):  # the GPUs: every plan within 4% left out (README says so)
@@ -197,7 +205,7 @@ def test_the_h200_calibration_estimates_a_shape_it_never_saw_within_its_error() 
     calibration = load_calibration(RESULTS / "calibrations" / "h200.json")
     assert not any(s.label.startswith("d1536") for s in calibration.samples)
     for s, path in load_samples(RESULTS / "gpu_step_time_h200_d1536" / "samples.json"):
-        estimate = price(read_work(read_program(path)), chip_of(s.chip), calibration.efficiencies).seconds
+        estimate = price(_work(path), chip_of(s.chip), calibration.efficiencies).seconds
         assert abs(estimate / s.measured_seconds - 1) <= 0.022, s.label
 
 
@@ -217,7 +225,7 @@ def test_a_family_is_left_out_together_and_the_band_is_read_from_it(tmp_path: Pa
     samples = load_samples(tmp_path / "samples.json")
     calibration = calibrate(samples, name="h100-families", compiler="jaxlib (cuda)")
     assert calibration.families == 2
-    works = {s.label: read_work(read_program(path)) for s, path in samples}
+    works = {s.label: _work(path) for s, path in samples}
     for family in ("d1024", "d2048"):
         others = [(s, works[s.label]) for s, _ in samples if s.family != family]
         figures = fit([w for _, w in others], [GPUS["h100"]] * len(others), [s.measured_seconds for s, _ in others],

@@ -140,15 +140,38 @@ def test_maxtext_s_axes_are_what_mesh_all_spans_and_a_setting_maxtext_refuses_is
         check_workload(bad)
 
 
-@needs_maxtext
-@pytest.mark.parametrize(("workload", "reason"), [
+REFUSED = [
     ({"overrides": {**TINY, "bogus_key": 1}}, "'bogus_key' not in 'emb_dim'"),
     ({"overrides": {**TINY, "base_emb_dim": "wide"}}, "base_emb_dim: Input should be a valid integer"),
     ({"config": "missing.yml", "overrides": TINY}, "No such file or directory"),  # relative to the spec's folder
-], ids=["unknown key", "bad value", "no config file"])
-def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext_exit_2_nothing_written(
-    tmp_path: Path, workload: dict, reason: str
-) -> None:
+]
+
+
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+@pytest.mark.parametrize(("workload", "reason"), REFUSED, ids=["unknown key", "bad value", "no config file"])
+def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext(tmp_path: Path, workload: dict, reason: str) -> None:
+    """The spec read from its file (a config path is relative to the spec's folder), then
+    MaxText's own loader, as ``run`` reads them, in this process: one line quoting MaxText."""
+    from remat_search.errors import SpecError
+    from remat_search.spec.loading import load_spec
+    from remat_search.spec.maxtext import maxtext_config
+
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", maxtext_spec(tmp_path, workload={"kind": "maxtext", **workload})))
+    with pytest.raises(SpecError) as refused:
+        maxtext_config(spec.workload)  # type: ignore[arg-type]
+    line = str(refused.value)
+    assert line.startswith("spec.workload: MaxText refuses the settings: ") and "\n" not in line, line
+    assert reason in line and len(line) < 400, line
+    if "config" in workload:
+        assert str(tmp_path / "missing.yml") in line
+
+
+@needs_maxtext
+def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp_path: Path) -> None:
+    """``run`` of a spec MaxText refuses (one of the refusals above: each is the same line from
+    the same loader) prints that line alone and exits 2 before writing anything."""
+    workload, reason = REFUSED[0]
     spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", **workload})
     search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
     out = search.communicate(timeout=600)[0]
@@ -157,8 +180,6 @@ def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext_exit_2_nothing_wr
     assert len(lines) == 1 and lines[0].startswith("error: spec.workload: MaxText refuses the settings: "), out
     assert reason in lines[0] and len(lines[0]) < 400, out
     assert not (tmp_path / "studies.db").exists()
-    if "config" in workload:
-        assert str(tmp_path / "missing.yml") in lines[0]
 
 
 BLOCK_MAXTEXT = """
