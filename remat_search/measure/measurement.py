@@ -22,7 +22,7 @@ from remat_search.measure.check import GradientCheck
 from remat_search.targets.platform import PLATFORMS, Platform, is_tpu, reports_compiler_peak
 from remat_search.targets.step_time import TIME_MODEL, StepEstimate
 
-MEASUREMENT_SCHEMA = 14
+MEASUREMENT_SCHEMA = 15
 """What a measurement means, as a number the measurement cache is keyed by: bump it when that
 changes (how a plan is compiled, checked, timed or what its fields say), so that no measurement
 made the old way is reused. 1: gradients of ``jax.grad`` checked against no remat's, out-of-memory
@@ -52,7 +52,11 @@ TPU kernel's matmuls are priced as the chip's matrix unit spends them, padded to
 gradients (the optimizer's first moment), norm-relative, against a threshold measured on the
 reference (``measure.check``), not the state's change by its largest element. 14: a TPU
 program's breakdown keeps the HBM it was compiled for, and its peak is at most that (the
-compiler compiled it: ``MemoryBreakdown.peak``)."""
+compiler compiled it: ``MemoryBreakdown.peak``). 15: the model overlaps an asynchronous collective
+with the computation scheduled between its start and its done, and a channel the TPU compiler
+chains over fusions with the fusions between its first and its last; a ``collective-permute``
+crosses one link (``Chip.ici_links``). The kept published studies were searched under this model
+while the number still read 14."""
 
 Verdict = Literal["measured", "over_budget", "failed", "infeasible"]
 """``infeasible``: the workload refused to build the candidate (:class:`~remat_search.errors.CandidateRefused`),

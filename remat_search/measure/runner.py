@@ -52,8 +52,12 @@ from remat_search.spec.workloads import WorkloadConfig
 from remat_search.units import format_bytes
 
 STARTUP_TIMEOUT = 300.0
-PRELOAD = ["jax", "optax", "flax.linen", "flax.nnx", "remat_search.measure.worker", "remat_search.workloads.base"]
-"""What the forkserver imports once, before it forks workers (each would import them)."""
+PRELOAD = [
+    "jax", "optax", "flax.linen", "flax.nnx", "orbax.checkpoint", "remat_search.measure.worker", "remat_search.workloads.base",
+]
+"""What the forkserver imports once, before it forks workers (each would import them; orbax, which
+saves and loads the first-step reference, about 1 s). None leaves a thread past numpy's (a fork
+copies only the thread that forks)."""
 WATCH_SECONDS = 0.05
 """How often the parent reads the worker's resident memory while it waits (``worker_memory``)."""
 

@@ -6,7 +6,7 @@ import pytest
 
 from remat_search import RematPlan
 from remat_search.errors import RematSearchError
-from remat_search.measure.runner import Runner
+from remat_search.measure.runner import PRELOAD, Runner
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.models import TimingConfig
 
@@ -79,3 +79,29 @@ def test_each_worker_starts_with_the_environment_of_then_and_jax_reads_its_varia
     assert told() == "REMAT_SEARCH_MARK=set after the server started x64=True forked=False"
     monkeypatch.delenv("JAX_ENABLE_X64")
     assert told().endswith("x64=False forked=True")  # as the server has it again
+
+
+PRELOADED = """
+import os, sys
+from remat_search.measure.runner import PRELOAD
+threads = []
+for module in PRELOAD:
+    __import__(module)
+    threads.append(len(os.listdir("/proc/self/task")))
+print(*threads)
+"""
+
+
+def test_the_forkserver_s_imports_start_no_thread_past_numpy_s() -> None:
+    """A fork copies only the thread that forks: a module the forkserver imports must not leave
+    a thread running (a lock it held would stay held in every worker). Each import of
+    :data:`PRELOAD` in turn, in a fresh process: the count of threads after JAX (numpy's
+    OpenBLAS starts its own there) does not grow."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-c", PRELOADED], cwd=REPO, capture_output=True, text=True, check=True)
+    threads = [int(n) for n in done.stdout.split()]
+    assert len(threads) == len(PRELOAD) and len(set(threads)) == 1, dict(zip(PRELOAD, threads, strict=True))
