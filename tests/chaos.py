@@ -202,7 +202,7 @@ def chaos_hosts(folder: Path, storage: str, *, kills: int, trials: int, hosts: i
     trials_now = optuna.load_study(study_name="chaos", storage=storage).get_trials(deepcopy=False)
     now = {t.number: _frozen(t) for t in trials_now if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
     return {
-        "kills": killed, "victims": victims, "runs": runs, "exits": exits, "seconds": seconds,
+        "kills": killed, "runs": runs, "exits": exits, "seconds": seconds,
         "finished": sum(counts(t) for t in trials_now),
         "running": sum(1 for t in trials_now if t.state == TrialState.RUNNING),
         "lost": sorted(n for n, frozen in seen.items() if now.get(n) != frozen),
@@ -248,10 +248,10 @@ def chaos_slice(folder: Path, *, kills: int, trials: int, processes: int = 2, se
     :data:`SLICE_EXIT_SECONDS`) and the whole slice is started again. A random process is
     killed (SIGKILL) at a random moment ``kills`` times; then the slice runs to the end.
 
-    Returns ``kills``, ``victims`` (the process id killed each time), ``runs`` (slice starts), ``exits`` (the codes of the processes that
-    were not killed, at each kill), ``restart_seconds`` (from each start after the first to the
-    first trial it asks for), ``stragglers`` (processes that had to be killed because
-    they did not stop by themselves), ``finished``, ``running``, ``lost`` (complete trials
+    Returns ``kills``, ``victims`` (the process id killed each time), ``runs`` (slice starts),
+    ``exits`` (the codes of the processes that were not killed, at each kill),
+    ``restart_seconds`` (from each start after the first to the first trial it asks for),
+    ``stragglers`` (processes that had to be killed because they did not stop by themselves), ``finished``, ``running``, ``lost`` (complete trials
     missing or changed since any kill), ``orphans`` (workers alive after their search died),
     ``final`` (the exit codes of the last start) and ``seconds``."""
     rng = random.Random(seed)
