@@ -29,7 +29,8 @@ def main(settings: list[str]) -> None:
     from maxtext.trainers.pre_train import train, train_compile
     from maxtext.configs import pyconfig
 
-    argv = ["train_compile", os.path.join(os.path.dirname(pyconfig.__file__), "base.yml"), *settings]
+    # no JAX compilation cache (base.yml's ~/jax_cache): every figure from this compile, none from a cached one
+    argv = ["train_compile", os.path.join(os.path.dirname(pyconfig.__file__), "base.yml"), "jax_cache_dir=", *settings]
     kept = []
     if any(s.startswith("compile_topology=") for s in settings):
         own = train_compile.jit_and_compile

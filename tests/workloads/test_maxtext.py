@@ -236,6 +236,9 @@ def test_an_answer_pasted_onto_a_config_that_sets_other_values_gives_the_study_s
         "attention_out": "device", "ici_data_parallelism": 2, "ici_fsdp_parallelism": -1, "per_device_batch_size": 8,
         "gradient_accumulation_steps": 4, "internal_compile": True, "internal_compile_num_devices": 4,
         "skip_jax_distributed_system": True,
+        # base.yml's ~/jax_cache would turn on JAX's persistent cache in this test process, for
+        # every test after it on this worker (CI, stop 53: a TPU compile-only client read an entry)
+        "jax_cache_dir": "",
     }
     configuration = Configuration(batch=2, accumulation=2, mesh={"fsdp": 2, "tensor": 2}, sequence=32)
     plan = RematPlan.uniform(LayerPolicy(kind="names", names=("key_proj", "value_proj")), 2).model_copy(
@@ -254,6 +257,9 @@ def test_an_answer_pasted_onto_a_config_that_sets_other_values_gives_the_study_s
     assert loaded.remat_policy == "custom" and loaded.query_proj == "remat" and loaded.key_proj == "device"
     assert loaded.global_batch_size_to_train_on == configuration.global_batch == 8
     assert dict(zip(loaded.mesh_axes, loaded.ici_parallelism, strict=True))["tensor"] == 2
+    import jax
+
+    assert not jax.config.jax_compilation_cache_dir  # MaxText's loader left JAX's cache off
 
 
 @needs_maxtext
