@@ -26,8 +26,8 @@ class Marks:
             print("SLOW" if item.get_closest_marker("slow") else "QUICK", item.nodeid)
 sys.exit(pytest.main(["--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"], plugins=[Marks()]))
 """
-"""One collection of the whole suite, each test id after the word ``-m`` reads: ``SLOW`` where
-the test is marked ``slow`` (``-m slow`` runs it), else ``QUICK`` (``-m "not slow"`` runs it)."""
+"""One collection of the whole suite, printing each test id after its mark as ``-m`` reads it:
+``SLOW`` where the test is marked ``slow`` (``-m slow`` runs it), else ``QUICK`` (``-m "not slow"``)."""
 
 
 def collected() -> tuple[list[str], list[str]]:

@@ -224,6 +224,7 @@ def test_an_answer_pasted_onto_a_config_that_sets_other_values_gives_the_study_s
     """Pasted at the end of a config that sets other axes, names, batch and policy (or given as
     arguments after it), MaxText's own loader reads the answer's settings, every one: its global
     batch, mesh and policy."""
+    import jax
     from maxtext.configs import pyconfig
 
     from remat_search.plans.configuration import Configuration
@@ -257,8 +258,6 @@ def test_an_answer_pasted_onto_a_config_that_sets_other_values_gives_the_study_s
     assert loaded.remat_policy == "custom" and loaded.query_proj == "remat" and loaded.key_proj == "device"
     assert loaded.global_batch_size_to_train_on == configuration.global_batch == 8
     assert dict(zip(loaded.mesh_axes, loaded.ici_parallelism, strict=True))["tensor"] == 2
-    import jax
-
     assert not jax.config.jax_compilation_cache_dir  # MaxText's loader left JAX's cache off
 
 
