@@ -43,7 +43,8 @@ or offloads some to host memory (whatever else it does)."""
 KINDS: tuple[PlanKind, ...] = ("keep", "recompute", "offload")
 FIGURES = ("matmul", "hbm", "ici", "host_link", "host_overlap", "launch_seconds")
 """The free figures a calibration may fit (:class:`Efficiencies`' fields)."""
-_LOG_BOUNDS = (math.log(0.05), math.log(2.0))
+_FLOOR = 0.05
+"""The least fraction of a peak a fitted figure may be."""
 _LAUNCH_BOUND = 1e-4
 
 
@@ -197,8 +198,8 @@ def fit(works: Sequence[Work], chips: Sequence[Chip], measured: Sequence[float],
     from scipy.optimize import least_squares
 
     chosen = tuple(figures) if figures is not None else figures_for(works, chips)
-    bounds = [(0.0, _LAUNCH_BOUND) if f == "launch_seconds" else (0.0, 1.0) if f == "host_overlap" else _LOG_BOUNDS
-              for f in chosen]
+    bounds = [(0.0, _LAUNCH_BOUND) if f == "launch_seconds" else (0.0, 1.0) if f == "host_overlap"
+              else (math.log(_FLOOR), math.log(ceiling(f, chips))) for f in chosen]
     if not chosen:
         return UNCALIBRATED
 
@@ -210,11 +211,24 @@ def fit(works: Sequence[Work], chips: Sequence[Chip], measured: Sequence[float],
         e = efficiencies(x)
         return [math.log(price(w, c, e).seconds / m) for w, c, m in zip(works, chips, measured, strict=True)]
 
-    start = [0.0 if f != "host_overlap" else 0.5 for f in chosen]
+    start = [0.5 if f == "host_overlap" else 0.0 if f == "launch_seconds" else min(0.0, hi - 0.1)
+             for f, (_, hi) in zip(chosen, bounds, strict=True)]
     scale = [_LAUNCH_BOUND / 10 if f == "launch_seconds" else 1.0 for f in chosen]
     found = least_squares(residuals, start, bounds=([b[0] for b in bounds], [b[1] for b in bounds]),
                           x_scale=scale, diff_step=1e-6, xtol=1e-12, ftol=1e-12, gtol=1e-12)
     return efficiencies(found.x)
+
+
+def ceiling(figure: str, chips: Sequence[Chip]) -> float:
+    """The most a fitted fraction ``figure`` may reach on ``chips``: no more than the datasheet's
+    peak (1) for the matmuls and the ICI, nor for the HBM but where the chip says more
+    (:attr:`Chip.hbm_ceiling`); the host link up to the widest link a chip has
+    (:attr:`Chip.host_link_ceiling`: a TPU's figure is an assumption, not a datasheet's)."""
+    if figure == "hbm":
+        return max(c.hbm_ceiling for c in chips)
+    if figure == "host_link":
+        return max((c.host_link_ceiling / c.host_bytes_per_second for c in chips if c.host_bytes_per_second), default=1.0)
+    return 1.0
 
 
 def figures_for(works: Sequence[Work], chips: Sequence[Chip]) -> tuple[str, ...]:

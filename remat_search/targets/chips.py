@@ -12,6 +12,10 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
+PCIE_GEN5_X16 = 64e9
+"""A PCIe Gen5 x16 link, one way: 128 GB/s counted both ways, as NVIDIA's datasheets count it."""
+
+
 class Chip(BaseModel):
     """Published per-chip peaks, for the step-time model."""
 
@@ -39,6 +43,14 @@ class Chip(BaseModel):
     beside the transfer: 1 where transfers run on their own engine (a TPU's DMA: the model's
     assumption, until a calibration measures it), 0 where they queue behind the computation
     (XLA:GPU: one stream carries the kernels and the copies; docs/step_time.md shows the trace)."""
+    hbm_ceiling: float = 1.0
+    """The most of :attr:`hbm_bytes_per_second` a calibration may fit: the datasheet's (1) where
+    every byte the model counts crosses HBM (a TPU: the buffers its compiler keeps on the chip, in
+    VMEM, are marked and left out); 2 on a GPU, whose L2 cache serves bytes a program reads again
+    that the HLO counts as HBM traffic."""
+    host_link_ceiling: float = PCIE_GEN5_X16
+    """The most a calibration may fit for the host link, in bytes per second one way: a PCIe Gen5
+    x16 link's (:data:`PCIE_GEN5_X16`), the widest a chip's host link is."""
 
 
 TPU_HOST_BYTES_PER_SECOND = 1.5e10
@@ -69,10 +81,10 @@ CHIPS = {
 # The host link: PCIe Gen5 x16, the datasheets' 128 GB/s counted both ways, 64 GB/s one way.
 # XLA:GPU runs an offload's copies on the stream of the step's kernels: no overlap (host_overlap 0).
 GPUS = {
-    "h100": Chip(name="NVIDIA H100 SXM", bf16_flops=989e12, hbm_bytes_per_second=3.35e12, host_bytes_per_second=64e9,
-                 host_overlap=0.0),
-    "h200": Chip(name="NVIDIA H200 SXM", bf16_flops=989e12, hbm_bytes_per_second=4.8e12, host_bytes_per_second=64e9,
-                 host_overlap=0.0),
+    "h100": Chip(name="NVIDIA H100 SXM", bf16_flops=989e12, hbm_bytes_per_second=3.35e12,
+                 host_bytes_per_second=PCIE_GEN5_X16, host_overlap=0.0, hbm_ceiling=2.0),
+    "h200": Chip(name="NVIDIA H200 SXM", bf16_flops=989e12, hbm_bytes_per_second=4.8e12,
+                 host_bytes_per_second=PCIE_GEN5_X16, host_overlap=0.0, hbm_ceiling=2.0),
 }
 
 

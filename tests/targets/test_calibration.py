@@ -16,6 +16,7 @@ from remat_search.errors import SpecError
 from remat_search.targets.calibration import (
     Calibration,
     calibrate,
+    ceiling,
     chip_of,
     fit,
     load_calibration,
@@ -53,6 +54,21 @@ def test_figures_a_program_was_priced_at_are_recovered() -> None:
     found = fit(works, chips, measured, ("matmul", "hbm", "host_link", "launch_seconds"))
     for figure in ("matmul", "hbm", "host_link", "launch_seconds"):
         assert getattr(found, figure) == pytest.approx(getattr(known, figure), rel=1e-4), figure
+
+
+def test_a_fit_never_reaches_past_what_the_chip_can_do() -> None:
+    """Steps faster than the datasheet allows (matmuls at 1.5× the peak, a host link at 3× a PCIe
+    Gen5 x16 link's) fit the datasheet's peak and the widest link, no further: a figure at its
+    ceiling says the model prices something too dearly, and a fit that went past it would hide that."""
+    samples = load_samples(H100)
+    works = [_work(path) for _, path in samples]
+    chips = [GPUS["h100"]] * len(works)
+    assert (ceiling("matmul", chips), ceiling("hbm", chips), ceiling("host_link", chips)) == (1.0, 2.0, 1.0)
+    assert ceiling("host_link", [chip_of("v6e")]) == pytest.approx(64e9 / 15e9)
+    impossible = Efficiencies(matmul=1.5, hbm=0.8, host_link=3.0)
+    measured = [price(w, c, impossible).seconds for w, c in zip(works, chips, strict=True)]
+    found = fit(works, chips, measured, ("matmul", "hbm", "host_link"))
+    assert found.matmul == pytest.approx(1.0) and found.host_link == pytest.approx(1.0)
 
 
 def test_the_fit_changes_nothing_at_the_datasheet() -> None:
@@ -191,6 +207,10 @@ def test_a_kept_calibration_prices_its_samples_as_it_says(kept: str) -> None:
         work = _work(programs[s.label], chip.mxu)
         assert price(work, chip, calibration.efficiencies).seconds == pytest.approx(s.calibrated_seconds, rel=1e-9)
         assert price(work, chip).seconds == pytest.approx(s.uncalibrated_seconds, rel=1e-9)
+    chips = [chip_of(c) for c in calibration.chips]
+    for figure in calibration.fitted:  # within what the chips can do (docs/step_time.md says where one sits at its ceiling)
+        if figure != "launch_seconds":
+            assert getattr(calibration.efficiencies, figure) <= ceiling(figure, chips) * (1 + 1e-9), figure
     if kept.startswith("calibrations/"):  # the GPUs: every plan within 4% left out (README says so)
         assert max(calibration.errors().values()) <= 0.04
     elif kept.endswith("calibration.json"):  # MaxText's published runs, one set of figures for all: OUTSIDE
