@@ -404,8 +404,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         beyond = best is not None and base and best.throughput / base > high / low
         calibrated = "—"
         if calibration is not None and best is not None and base and pub is not None and best.throughput > base:
-            ours, theirs = calibration.band(best.plan.kind), calibration.band(pub.plan.kind)
-            calibrated = "**beaten**" if best.throughput * ours[0] / (base * theirs[1]) > 1 else "not beaten"
+            calibrated = calibrated_verdict(run, calibration, best, pub)
         quality.append(
             f"| {run.name} | {base:,.0f} | {best.summary() if best else '—'} | "
             f"{format_bytes(best.peak_bytes) if best else '—'} | {best.throughput:,.0f} | {gain} | "
@@ -502,6 +501,26 @@ def host_peak_lines(results: list[tuple[Run, StudyReport, float]]) -> list[str]:
     ]
 
 
+def calibrated_verdict(run: Run, calibration: Any, best: TrialResult, pub: TrialResult) -> str:
+    """The answer against the published configuration, both priced at the calibration's figures
+    (their kept programs: :data:`PROGRAMS`, :data:`ANSWERS`), and beaten only where the answer's
+    slowest step its band allows is faster than the published configuration's fastest: the same
+    global batch on the same chips, so the steps compare as the throughputs do."""
+    from remat_search.targets.calibration import chip_of, read_program
+    from remat_search.targets.step_time import price
+    from remat_search.targets.work import read_work
+
+    answer = ANSWERS / f"{run.name}.hlo.gz"
+    if not answer.exists():
+        return "— (the answer's program is not kept: `--answers`)"
+    chip = chip_of(run.chip)
+    theirs_s, ours_s = (price(read_work(read_program(p), chip.mxu), chip, calibration.efficiencies).seconds
+                        for p in (PROGRAMS / f"{run.name}.hlo.gz", answer))
+    ours, theirs = calibration.band(best.plan.kind), calibration.band(pub.plan.kind)
+    beaten = ours_s * ours[1] < theirs_s * theirs[0]  # a band is published (measured) step / estimate
+    return f"{theirs_s / ours_s - 1:+.1%} calibrated: " + ("**beaten**" if beaten else "not beaten")
+
+
 def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> list[str]:
     """The calibration's figures and its error left out, one run and one family at a time, for the page."""
     def spread(figure: str) -> tuple[list[float], int]:
@@ -555,6 +574,52 @@ PROGRAMS = HERE / "results" / "published_programs"
 what ``remat-search calibrate`` fits the TPU step-time model on (:func:`keep_programs`)."""
 
 
+ANSWERS = PROGRAMS / "answers"
+"""Each searched run's answer's compiled program, where it is faster than the published
+configuration by the uncalibrated model (:func:`keep_answers`): priced at the calibration's
+figures beside the published configuration's for the page's calibrated verdict."""
+
+
+def keep_answers(runs: list[Run]) -> None:
+    """Compile each searched run's answer alone (its policy and configuration, a study of one
+    trial in a scratch storage) and keep its program under :data:`ANSWERS`."""
+    import shutil
+    import tempfile
+
+    from remat_search.measure.artifacts import ARTIFACTS
+    from remat_search.measure.artifacts import PROGRAMS as KEPT
+
+    ANSWERS.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        try:
+            report = reread(remat_search.load_report(f"maxtext-{run.name}", f"sqlite:///{DB}"))
+        except Exception:  # noqa: BLE001 - a run not searched yet
+            continue
+        timed = report.timed() if run.trials > 1 else []
+        best, pub = (min(timed, key=rank) if timed else None), published_trial(run, report)
+        if best is None or best.plan is None or best.plan.configuration is None or pub is None or not pub.throughput \
+                or best.throughput <= pub.throughput:
+            continue
+        c = best.plan.configuration
+        with tempfile.TemporaryDirectory() as home:
+            study = spec(run, f"sqlite:///{home}/answer.db", 1)
+            study["space"]["choices"] = [next(ch for ch in run.choices if label(ch) == best.labels[0])]
+            study["configuration"] = {"batch": [c.batch], "global_batch": run.chips * run.per_device_batch,
+                                      "mesh": [dict(c.mesh)], **({"settings": {k: [v] for k, v in c.settings}} if c.settings else {})}
+            study["target"]["keep_programs"] = True
+            os.environ["REMAT_SEARCH_HOME"], os.environ["LIBTPU_INIT_ARGS"] = home, run.flags
+            try:
+                answer = remat_search.run(parse_spec(study)).trials[0]
+            finally:
+                os.environ.pop("REMAT_SEARCH_HOME"), os.environ.pop("LIBTPU_INIT_ARGS")
+            if answer.measurement is None or answer.measurement.program_digest is None or answer.summary() != best.summary():
+                print(f"{run.name}: the answer ({best.summary()}) was not compiled as searched", flush=True)
+                continue
+            shutil.copy(Path(home) / ARTIFACTS / study["study"] / KEPT / f"{answer.measurement.program_digest}.hlo.gz",
+                        ANSWERS / f"{run.name}.hlo.gz")
+            print(f"{run.name}: kept the answer's program ({best.summary()})", flush=True)
+
+
 def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
     """Compile each run's published configuration (a study of one trial in :data:`DB`, its
     artifacts in a scratch storage home), keep its program as ``folder/<run>.hlo.gz`` and its
@@ -601,9 +666,14 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="write the page from the kept studies, compiling nothing")
     parser.add_argument("--programs", action="store_true",
                         help="compile each published configuration alone and keep its program under results/published_programs")
+    parser.add_argument("--answers", action="store_true",
+                        help="compile each searched run's answer alone and keep its program under results/published_programs/answers")
     args = parser.parse_args()
     if args.programs:
         keep_programs([r for r in RUNS if r.name in args.runs])
+        return
+    if args.answers:
+        keep_answers([r for r in RUNS if r.name in args.runs])
         return
     DB.parent.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{DB}"

@@ -121,7 +121,7 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 for _command in (  # in the order --help lists them
-    search_commands.run, search_commands.submit, search_commands.worker,
+    search_commands.run, search_commands.maxtext, search_commands.submit, search_commands.worker,
     query_commands.pareto, query_commands.best, query_commands.plan,
     search_commands.confirm, query_commands.studies, query_commands.show, query_commands.calibrate,
     storage_commands.doctor, storage_commands.serve,

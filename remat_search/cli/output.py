@@ -57,10 +57,12 @@ def library_notes() -> Iterator[None]:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("remat_search")
     logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False  # not again by a root handler a library set (MaxText's absl)
     try:
         yield
     finally:
         logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def quiet_optuna() -> None:

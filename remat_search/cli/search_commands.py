@@ -1,4 +1,4 @@
-"""The commands that measure: ``run``, ``submit``, ``worker`` and ``confirm``.
+"""The commands that measure: ``run``, ``maxtext``, ``submit``, ``worker`` and ``confirm``.
 
 Each checks its flags, calls one library function (``search.loop.run``,
 ``search.submission.submit``, ``service.worker.work``, ``search.confirm.confirm_study``) and
@@ -69,7 +69,6 @@ def run(
     and the restarted job resumes the study (docs/slice.md).
     """
     from remat_search.measure.slice import member_of
-    from remat_search.report.results import rank
     from remat_search.spec.loading import load_spec
 
     member = member_of(coordinator, processes, process_id)
@@ -99,6 +98,13 @@ def run(
             again += ["--workers", workers]
         output.note(f"interrupted: finished trials are kept, and the same command resumes the study: {shlex.join(again)}")
         raise typer.Exit(130) from None
+    _tell(report, f"remat-search best --study {report.study} --budget {size_argument(report.budget)} --json > plan.json")
+
+
+def _tell(report: Any, next_command: str) -> None:
+    """A finished search's front, its confirmed plans, and what became of its trials."""
+    from remat_search.report.results import rank
+
     output.console.print(output.front_table(report.study, report.budget, report.front))
     confirmed = sorted((t for t in report.timed() if t.confirmed), key=rank)
     if confirmed:
@@ -108,9 +114,84 @@ def run(
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
         + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
         + (f"{report.count('infeasible')} infeasible (refused by the workload, never compiled), " if report.count("infeasible") else "")
-        + f"{report.count('failed')} failed. Next: remat-search best --study {report.study} "
-        f"--budget {size_argument(report.budget)} --json > plan.json", soft_wrap=True,  # a command: one line
+        + f"{report.count('failed')} failed. Next: {next_command}", soft_wrap=True,  # a command: one line
     )
+
+
+def maxtext(
+    arguments: Annotated[list[str] | None, typer.Argument(
+        metavar="[CONFIG.yml] KEY=VALUE...", show_default=False,
+        help="What you give MaxText's train or train_compile: a config file (default: MaxText's base.yml) and "
+             "settings over it, such as model_name=llama3.1-8b per_device_batch_size=4 ici_fsdp_parallelism=-1. "
+             "compile_topology=v5e-4 compiles for that TPU slice ahead of time (libtpu) instead of the local devices.",
+    )] = None,
+    budget: Annotated[str | None, typer.Option(
+        metavar="SIZE|device", show_default=False,
+        help="Peak memory a plan may use per chip (14GiB, 70%, device). Default: device, the chip's HBM as its "
+             "compiler reports it; required on CPU.",
+    )] = None,
+    trials: Annotated[int | None, typer.Option(min=1, metavar="N", show_default=False, help="Candidates to compile (default: "
+                                               "MaxText's six remat presets and six more).")] = None,
+    batch: Annotated[list[int] | None, typer.Option(
+        "--batch", min=1, metavar="N", show_default=False,
+        help="Per-device batch sizes to search beside the policy (repeat it); with --mesh alone, the config's.",
+    )] = None,
+    mesh: Annotated[list[str] | None, typer.Option(
+        "--mesh", metavar="AXIS=N,...|all", show_default=False,
+        help="Meshes to search (repeat it), such as fsdp=2,tensor=2, in MaxText's ici_*_parallelism axes; all: "
+             "every split of the chips over the axes the model shards over.",
+    )] = None,
+    study: Annotated[str | None, typer.Option("--study", "-s", metavar="NAME", show_default=False,
+                                              help="Study name (default: maxtext-MODEL_NAME, else the config's name).")] = None,
+    storage: StorageOption = None,
+    workers: Annotated[str | None, typer.Option(metavar="N|auto", show_default=False,
+                                                help="Worker processes compiling at once, as in `run --workers`.")] = None,
+    form: Annotated[str, typer.Option(
+        "--format", metavar="maxtext|maxtext-args",
+        help="The answer as MaxText settings to paste onto your config (maxtext), or as key=value arguments for "
+             "MaxText's train command (maxtext-args).",
+    )] = "maxtext",
+) -> None:
+    """Search MaxText's own train step from the command line you would give MaxText, and print the answer to paste.
+
+    No spec to write: the config and KEY=VALUE settings are read by MaxText's own loader (a key
+    or value it refuses is one line, exit 2), and the study searches MaxText's remat presets
+    (remat_policy full and custom with device/remat per tensor), and, with --batch or --mesh,
+    the batch and mesh beside them. Running the same command again resumes the study. The
+    answer is the fastest plan that fits the budget, as MaxText settings (docs/spec.md, MaxText).
+
+    Example, a v5e-4 slice compiled ahead of time from this machine:
+
+      remat-search maxtext model_name=llama2-7b per_device_batch_size=2 compile_topology=v5e-4 --mesh all
+    """
+    from remat_search.plans.export import export
+    from remat_search.report.maxtext import maxtext_answer
+    from remat_search.report.stored import open_study
+    from remat_search.spec.maxtext import maxtext_study
+
+    if form not in ("maxtext", "maxtext-args"):
+        raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")
+    output.quiet_optuna()
+    loaded = maxtext_study(
+        arguments or [], budget=budget, trials=trials, study=flags.study(study) if study else None, storage=storage,
+        workers=flags.workers(workers), batches=batch or (), meshes=mesh or (),
+    )
+    if isinstance(loaded.budget, int):
+        output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
+    try:
+        report = _search(loaded)
+    except KeyboardInterrupt:
+        output.note("interrupted: finished trials are kept, and the same command resumes the study")
+        raise typer.Exit(130) from None
+    _tell(report, f"remat-search show --study {report.study}")
+    with open_study(report.study, loaded.storage) as stored:
+        found = maxtext_answer(stored, report.budget)
+    output.console.print(f"The answer for {size_argument(report.budget)}, to paste onto your MaxText config "
+                         f"({'settings' if form == 'maxtext' else 'arguments'}):", highlight=False)
+    assert found.answer.plan is not None
+    print(export(found.answer.plan, form))  # type: ignore[arg-type]
+    if notice := found.notice():
+        output.note(notice)
 
 
 def _importable_from(spec: Path) -> None:

@@ -1,6 +1,8 @@
-"""``kind: maxtext``: MaxText's own model and train step, searched; each trial's peak is MaxText's
-own compile of the same settings (``maxtext_reference``), on the CPU and on a ``v5e:2x2`` TPU
-topology ahead of time, a tensor-parallel mesh included; and what a spec MaxText refuses gets.
+"""``kind: maxtext``: MaxText's own model and train step, searched from a spec and from MaxText's
+own command line (``remat-search maxtext``); each trial's peak is MaxText's own compile of the
+same settings (``maxtext_reference``), on the CPU and on a ``v5e:2x2`` TPU topology ahead of
+time, a tensor-parallel mesh included; the command's answer pastes into MaxText's loader; and
+what a spec or a command line MaxText refuses gets.
 
 MaxText needs Python ≥ 3.12 (the ``maxtext`` extra): where it is not installed, only the test of
 that refusal runs here (the others are skipped with the reason)."""
@@ -12,11 +14,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
 import yaml
 
+import remat_search
 from remat_search.measure.check import GradientCheck
 from remat_search.plans.export import maxtext
 from remat_search.plans.plan import RematPlan
@@ -46,15 +50,56 @@ def maxtext_spec(tmp_path: Path, **overrides: object) -> dict:
 
 
 def searched(tmp_path: Path, spec: dict) -> list[optuna.trial.FrozenTrial]:
+    """The spec's study, run by ``remat-search run`` (its complete trials)."""
+    _, trials = _ran(tmp_path, ("run", str(write_spec(tmp_path / "spec.yaml", spec))), spec["storage"], "mt")
+    return trials
+
+
+def commanded(tmp_path: Path, *arguments: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
+    """``remat-search maxtext ARGUMENTS`` on a study ``mt`` of its own storage: what it printed, and its
+    complete trials."""
+    storage = f"sqlite:///{tmp_path / 'command.db'}"
+    return _ran(tmp_path, ("maxtext", *arguments, "--study", "mt", "--storage", storage), storage, "mt")
+
+
+def _ran(tmp_path: Path, command: tuple[str, ...], storage: str, study: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
     home = tmp_path / "home"  # MaxText's base.yml keeps a JAX compilation cache in ~/jax_cache: not in a study
-    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)), env={"HOME": str(home)})
+    search = run_process(*command, env={"HOME": str(home)})
     out = search.communicate(timeout=1200)[0]
     assert search.returncode == 0, out[-4000:]
     assert not (home / "jax_cache").exists()
     # MaxText brings libtpu: on a host without TPUs it stays quiet (and transformers, which MaxText imports)
     assert not [noise for noise in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "[transformers]") if noise in out], out
-    study = optuna.load_study(study_name="mt", storage=spec["storage"])
-    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    trials = optuna.load_study(study_name=study, storage=storage).get_trials()
+    return out, [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def pasted(answer: str, form: str, tmp_path: Path) -> Any:
+    """MaxText's own loader's reading of ``answer`` (``--format form``) laid over its base.yml, as a
+    user pastes it onto their config (``maxtext``) or gives it after it (``maxtext-args``)."""
+    from maxtext.configs import pyconfig
+
+    base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+    # base.yml's ~/jax_cache would turn on JAX's persistent cache in this test process, for
+    # every test after it on this worker (CI, stop 53: a TPU compile-only client read an entry)
+    theirs = {**TINY, "base_config": base, "skip_jax_distributed_system": True, "jax_cache_dir": ""}
+    config_file = tmp_path / "theirs.yml"
+    if form == "maxtext":
+        config_file.write_text(yaml.safe_dump({**theirs, **yaml.safe_load(answer)}, sort_keys=False))
+        return pyconfig.initialize(["train", str(config_file)])
+    config_file.write_text(yaml.safe_dump(theirs, sort_keys=False))
+    return pyconfig.initialize(["train", str(config_file), *answer.split()])
+
+
+def answer_of(out: str) -> str:
+    """The answer ``remat-search maxtext`` printed, after its line saying what to paste it onto."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("The answer for "))
+    return "\n".join(line for line in lines[start + 1:] if not line.startswith(("note:", "WARNING")))
+
+
+TINY_ARGS = tuple(f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in TINY.items())
+"""``TINY`` as MaxText's key=value arguments."""
 
 
 def maxtexts_own(settings: list[dict]) -> list[dict]:
@@ -68,11 +113,14 @@ def maxtexts_own(settings: list[dict]) -> list[dict]:
 
 
 @needs_maxtext
-def test_on_cpu_each_trial_s_peak_is_maxtext_s_own_compile_of_its_settings(tmp_path: Path) -> None:
-    """Every choice: its peak is MaxText's own compile's, and its first step (bfloat16 matmuls,
-    MaxText's AdamW, float32 weights) passes the check against full remat's, read from MaxText's
-    own optimizer state, within the threshold measured on it."""
-    trials = searched(tmp_path, maxtext_spec(tmp_path, trials=3))
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+def test_on_cpu_the_maxtext_command_s_peaks_are_maxtext_s_own_and_its_answer_pastes(tmp_path: Path) -> None:
+    """``remat-search maxtext`` with MaxText's own key=value arguments, no spec: every preset it
+    tried has MaxText's own compile's peak, and its first step (bfloat16 matmuls, MaxText's AdamW,
+    float32 weights) passes the check against full remat's, read from MaxText's own optimizer
+    state, within the threshold measured on it; the answer it prints, pasted onto a config,
+    reads back through MaxText's loader as the plan the study ranked first."""
+    out, trials = commanded(tmp_path, *TINY_ARGS, "--budget", "1GiB", "--trials", "3")
     assert len(trials) == 3
     plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
     assert len({plan.digest for plan in plans}) == 3
@@ -85,13 +133,21 @@ def test_on_cpu_each_trial_s_peak_is_maxtext_s_own_compile_of_its_settings(tmp_p
         assert measured["grad_reference"] == "full" and check.failure() is None, measured
         assert "first moment ('mu')" in check.compared and check.precision == "bfloat16 matmuls" and check.rounding > 1e-4
         assert check.leaf_error <= check.leaf_threshold and check.tree_error <= check.tree_threshold
+    first = remat_search.load_report("mt", f"sqlite:///{tmp_path / 'command.db'}").best(2**30)  # `best`'s answer
+    assert first.plan is not None and first.plan.digest in {plan.digest for plan in plans}
+    loaded = pasted(answer_of(out), "maxtext", tmp_path)
+    for key, value in maxtext(first.plan).items():
+        assert str(getattr(loaded, key)).split(".")[-1].lower() == str(value).lower(), key
+    assert out.count("never tags with checkpoint_name") <= 1, out  # a note once, not again by MaxText's root logger
 
 
 @needs_maxtext
-def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile_s_own(tmp_path: Path) -> None:
-    """Over ``fsdp=2 × tensor=2`` the trial's peak is ``train_compile``'s own; a mesh MaxText
-    refuses (``tensor=4`` over 2 key/value heads) is an infeasible trial with MaxText's reason,
-    never compiled, and the study goes on."""
+def test_on_a_v5e_topology_each_trial_s_peak_is_train_compile_s_own_and_the_command_s_answer_pastes(tmp_path: Path) -> None:
+    """Over ``fsdp=2 × tensor=2`` the trial's peak is ``train_compile``'s own, in a spec's study and
+    in ``remat-search maxtext ... compile_topology=v5e-4 --mesh fsdp=2,tensor=2``'s, whose answer,
+    given as arguments after a config, reads back through MaxText's loader as the plan it ranked
+    first; a mesh MaxText refuses (``tensor=4`` over 2 key/value heads) is an infeasible trial with
+    MaxText's reason, never compiled, and the study goes on."""
     two_kv = {**TINY, "base_num_kv_heads": 2}
     spec = maxtext_spec(
         tmp_path, target={"platform": "tpu", "topology": "v5e:2x2"}, trials=2, space={"layout": "uniform", "choices": CHOICES[1:2]},
@@ -101,6 +157,12 @@ def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile
     trials = searched(tmp_path, spec)
     every = optuna.load_study(study_name="mt", storage=spec["storage"]).trials
     assert len(trials) == 1, [t.user_attrs for t in every]
+    # The same from MaxText's command line: its compile_topology, a mesh of its own axes, and the answer's arguments
+    args = [f"{key}={value}" for key, value in two_kv.items()]
+    out, commands = commanded(tmp_path, *args, "compile_topology=v5e-4", "--mesh", "fsdp=2,tensor=2", "--batch", "2",
+                              "--trials", "2", "--format", "maxtext-args")
+    assert len(commands) == 2
+    trials += commands
     plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
     assert all(plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2} for plan in plans)
     owns = maxtexts_own([
@@ -109,6 +171,12 @@ def test_on_a_v5e_topology_over_a_tensor_axis_each_trial_s_peak_is_train_compile
     ])
     for trial, plan, own in zip(trials, plans, owns, strict=True):
         assert trial.values[1] == own["peak"], (plan.summary(), trial.values, own)
+    report = remat_search.load_report("mt", f"sqlite:///{tmp_path / 'command.db'}")
+    first = report.best(report.budget)  # `best`'s answer at the study's budget, the chip's HBM
+    assert first.plan is not None and first.time_source == "estimated"
+    loaded = pasted(answer_of(out), "maxtext-args", tmp_path)
+    for key, value in maxtext(first.plan).items():
+        assert str(getattr(loaded, key)).split(".")[-1].lower() == str(value).lower(), key
     [refused] = [t for t in every if t.state == optuna.trial.TrialState.PRUNED]
     measured = json.loads(refused.user_attrs["measurement"])
     assert measured["status"] == "infeasible" and measured.get("peak_bytes") is None, measured
@@ -168,17 +236,45 @@ def test_a_setting_maxtext_refuses_is_one_line_quoting_maxtext(tmp_path: Path, w
 
 
 @needs_maxtext
-def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["run", "maxtext"])
+def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp_path: Path, command: str) -> None:
     """``run`` of a spec MaxText refuses (one of the refusals above: each is the same line from
-    the same loader) prints that line alone and exits 2 before writing anything."""
+    the same loader), or ``maxtext`` given the same key=value, prints that line alone and exits 2
+    before writing anything."""
     workload, reason = REFUSED[0]
-    spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", **workload})
-    search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    if command == "run":
+        spec = maxtext_spec(tmp_path, workload={"kind": "maxtext", **workload})
+        search = run_process("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+        said = "error: spec.workload: MaxText refuses the settings: "
+    else:
+        search = run_process("maxtext", *TINY_ARGS, "bogus_key=1", "--budget", "1GiB", "--storage",
+                             f"sqlite:///{tmp_path / 'studies.db'}")
+        said = "error: KEY=VALUE: MaxText refuses them: "
     out = search.communicate(timeout=600)[0]
     assert search.returncode == 2, out
     lines = [line for line in out.splitlines() if line.strip() and not line.startswith("budget ")]  # `run` says its budget first
-    assert len(lines) == 1 and lines[0].startswith("error: spec.workload: MaxText refuses the settings: "), out
+    assert len(lines) == 1 and lines[0].startswith(said), out
     assert reason in lines[0] and len(lines[0]) < 400, out
+    assert not (tmp_path / "studies.db").exists()
+
+
+@pytest.mark.parametrize(("arguments", "said"), [
+    (["nothing.yml"], "error: CONFIG: no such file 'nothing.yml'"),
+    (["base_emb_dim"], "error: KEY=VALUE: expected MaxText settings as key=value"),
+    (["compile_topology=v9z-4"], "error: compile_topology: MaxText knows no topology 'v9z-4'"),
+    (["compile_topology=v5e-4", "compile_topology_num_slices=2"], "error: compile_topology_num_slices: expected 1"),
+    (["compile_topology=v5e-4", "--mesh", "fsdp=two"], "error: --mesh: expected AXIS=N,AXIS=N"),
+    (["--format", "yaml"], "error: --format: expected maxtext or maxtext-args"),
+])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+def test_the_maxtext_command_tells_bad_arguments_in_a_line_exit_2(tmp_path: Path, cli: Any, arguments: list[str], said: str) -> None:
+    """Each bad argument of ``remat-search maxtext`` is one line naming it, exit 2, no study written."""
+    if not installed() and "compile_topology" in " ".join(arguments):
+        pytest.skip("MaxText names the topologies")
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    result = cli("maxtext", *arguments, "--budget", "1GiB", "--storage", storage)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stdout + result.stderr
+    assert result.stderr.startswith(said), result.stderr
     assert not (tmp_path / "studies.db").exists()
 
 
