@@ -452,8 +452,11 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
         "its generation's: published step / estimate over the published runs of that generation (the fidelity table; "
         "`targets.chips.PUBLISHED_BANDS`). A configuration is **beaten** only where the best found is faster even at the "
         "slow end of its band against the published configuration at the fast end of its own: a gain above the band's "
-        "width (high / low - 1). A gain inside it is not a win. The last verdict reads the same gains against the "
-        f"calibration's left-out bands of each side's kind of plan (recompute, offload), from the calibration of its chip's group. "
+        "width (high / low - 1). A gain inside it is not a win. The last verdict prices both programs at the calibration "
+        "of its chip's group (the answer's compiled alone, `--answers`: `published_programs/answers/`), gives that gain, and "
+        "calls it beaten only where the answer at the slow end of its kind of plan's left-out band (recompute, offload) "
+        "is faster than the published configuration at the fast end of its own; a band read against the uncalibrated "
+        "gain (as this page did before) says nothing of it. "
         f"Not searched, their published configuration compiled alone (samples of the fidelity and the calibration): "
         f"{', '.join(samples_only) or 'none'}.\n",
         "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | band (width) | "
