@@ -131,7 +131,7 @@ def maxtext(
              "compiler reports it; required on CPU.",
     )] = None,
     trials: Annotated[int | None, typer.Option(min=1, metavar="N", show_default=False, help="Candidates to compile (default: "
-                                               "MaxText's six remat presets and six more).")] = None,
+                                               "MaxText's six remat presets; six more with --batch or --mesh).")] = None,
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, metavar="N", show_default=False,
         help="Per-device batch sizes to search beside the policy (repeat it); with --mesh alone, the config's.",
@@ -167,7 +167,7 @@ def maxtext(
     from remat_search.plans.export import export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.stored import open_study
-    from remat_search.spec.maxtext import maxtext_study
+    from remat_search.spec.maxtext import as_flags, maxtext_study
 
     if form not in ("maxtext", "maxtext-args"):
         raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")
@@ -183,6 +183,8 @@ def maxtext(
     except KeyboardInterrupt:
         output.note("interrupted: finished trials are kept, and the same command resumes the study")
         raise typer.Exit(130) from None
+    except SpecError as e:  # found as the search opens (a budget a CPU cannot read): the argument that set it
+        raise as_flags(e) from None
     _tell(report, f"remat-search show --study {report.study}")
     with open_study(report.study, loaded.storage) as stored:
         found = maxtext_answer(stored, report.budget)

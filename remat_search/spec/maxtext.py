@@ -136,7 +136,8 @@ def maxtext_study(
     data: dict[str, Any] = {
         "study": study or "maxtext-" + re.sub(r"[^A-Za-z0-9_-]+", "-", str(named)).strip("-"),
         "workload": workload, "space": "maxtext", "target": target,
-        "trials": trials or len(MAXTEXT_PRESETS) + 6, **({"budget": budget} if budget else {}),
+        # every preset; with configurations to search, six more candidates beside them
+        "trials": trials or len(MAXTEXT_PRESETS) + (6 if batches or meshes else 0), **({"budget": budget} if budget else {}),
         **({"storage": storage} if storage else {}), **({"workers": workers} if workers else {}),
     }
     if batches or meshes:
@@ -146,12 +147,28 @@ def maxtext_study(
                 raise SpecError(f"--batch: the config's per_device_batch_size is {batch}; give --batch N (whole examples)")
             batches = (int(batch),)
         data["configuration"] = {"batch": list(batches), "mesh": mesh}
-    spec = parse_spec(data)
     try:
+        spec = parse_spec(data)
         maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
     except SpecError as e:
-        raise SpecError(str(e).replace("spec.workload: MaxText refuses the settings", "KEY=VALUE: MaxText refuses them")) from None
+        raise as_flags(e) from None
     return spec
+
+
+_FLAGS = {
+    "spec.workload: MaxText refuses the settings": "KEY=VALUE: MaxText refuses them", "spec.budget": "--budget",
+    "spec.trials": "--trials", "spec.storage": "--storage", "spec.workers": "--workers",
+    "spec.configuration.batch": "--batch", "spec.configuration.mesh": "--mesh",
+}
+"""The fields of the spec :func:`maxtext_study` builds, by the argument that set each."""
+
+
+def as_flags(error: SpecError) -> SpecError:
+    """``error`` of the spec :func:`maxtext_study` built, naming the argument the user gave
+    (``--budget: ...``) instead of a spec field they never wrote."""
+    text = str(error)
+    field = next((f for f in _FLAGS if text.startswith(f)), None)
+    return SpecError(_FLAGS[field] + text[len(field):]) if field else error
 
 
 def _mesh(text: str) -> dict[str, int]:
