@@ -185,7 +185,7 @@ def maxtext(
         raise typer.Exit(130) from None
     except SpecError as e:  # found as the search opens (a budget a CPU cannot read): the argument that set it
         raise as_flags(e) from None
-    _tell(report, f"remat-search show --study {report.study}")
+    _tell(report, f"remat-search show --study {report.study}" + (f" --storage {storage}" if storage else ""))
     with open_study(report.study, loaded.storage) as stored:
         found = maxtext_answer(stored, report.budget)
     output.console.print(f"The answer for {size_argument(report.budget)}, to paste onto your MaxText config "

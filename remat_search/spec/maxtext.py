@@ -98,7 +98,8 @@ def maxtext_study(
     ``compile_topology=v5e-4`` (``train_compile``'s own key) makes the target that TPU topology,
     compiled ahead of time; without it, the local devices. ``batches`` (per-device batch sizes)
     and ``meshes`` (``fsdp=2,tensor=2``, or ``all``) search configurations beside the policy;
-    ``trials`` defaults to the presets and six more."""
+    ``trials`` defaults to the presets (and six more where configurations are searched). An
+    error names the argument that set the field (:func:`as_flags`)."""
     from remat_search.plans.export import MAXTEXT_PRESETS
     from remat_search.spec.loading import parse_spec
 
@@ -140,16 +141,16 @@ def maxtext_study(
         "trials": trials or len(MAXTEXT_PRESETS) + (6 if batches or meshes else 0), **({"budget": budget} if budget else {}),
         **({"storage": storage} if storage else {}), **({"workers": workers} if workers else {}),
     }
-    if batches or meshes:
-        if not batches:
-            batch = maxtext_config(MaxTextConfig.model_validate(workload)).per_device_batch_size
-            if not float(batch).is_integer():
-                raise SpecError(f"--batch: the config's per_device_batch_size is {batch}; give --batch N (whole examples)")
-            batches = (int(batch),)
-        data["configuration"] = {"batch": list(batches), "mesh": mesh}
     try:
         spec = parse_spec(data)
-        maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
+        read = maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
+        if batches or meshes:
+            if not batches:
+                if not float(read.per_device_batch_size).is_integer():
+                    raise SpecError(f"--batch: the config's per_device_batch_size is {read.per_device_batch_size}; "
+                                    "give --batch N (whole examples)")
+                batches = (int(read.per_device_batch_size),)
+            spec = parse_spec({**data, "configuration": {"batch": list(batches), "mesh": mesh}})
     except SpecError as e:
         raise as_flags(e) from None
     return spec
