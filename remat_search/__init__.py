@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from remat_search.search.submission import Submitted, submit
     from remat_search.service.worker import work
     from remat_search.spec.loading import load_spec
-    from remat_search.spec.maxtext import maxtext_study
+    from remat_search.spec.maxtext_study import maxtext_study
     from remat_search.spec.models import SearchSpec
     from remat_search.targets.calibration import Calibration, Sample, calibrate, load_calibration, load_samples
     from remat_search.targets.platform import compiler_options
@@ -79,7 +79,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('StudyReport', 'TrialResult'), "remat_search.report.results"),
     **dict.fromkeys(('run',), "remat_search.search.loop"),
     **dict.fromkeys(('load_spec',), "remat_search.spec.loading"),
-    **dict.fromkeys(('maxtext_study',), "remat_search.spec.maxtext"),
+    **dict.fromkeys(('maxtext_study',), "remat_search.spec.maxtext_study"),
     **dict.fromkeys(('SearchSpec',), "remat_search.spec.models"),
     **dict.fromkeys(('Submitted', 'submit'), "remat_search.search.submission"),
     **dict.fromkeys(('parse_bytes',), "remat_search.units"),

@@ -167,7 +167,7 @@ def maxtext(
     from remat_search.plans.export import export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.stored import open_study
-    from remat_search.spec.maxtext import as_flags, maxtext_study
+    from remat_search.spec.maxtext_study import as_flags, maxtext_study
 
     if form not in ("maxtext", "maxtext-args"):
         raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")

@@ -1,0 +1,111 @@
+"""A study from MaxText's own command line (``remat-search maxtext``): the config file and
+``KEY=VALUE`` settings a MaxText user gives ``train`` or ``train_compile``, read as MaxText reads
+them, made into the :class:`~remat_search.spec.models.SearchSpec` a spec file would have been,
+with every error naming the argument the user gave."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from remat_search.errors import SpecError
+from remat_search.spec.loading import parse_spec
+from remat_search.spec.maxtext import INSTALL, installed, maxtext_config
+from remat_search.spec.models import SearchSpec
+
+
+def maxtext_study(
+    arguments: Sequence[str], *, budget: str | None = None, trials: int | None = None, study: str | None = None,
+    storage: str | None = None, workers: str | None = None, batches: Sequence[int] = (),
+    meshes: Sequence[str] = (),
+) -> SearchSpec:
+    """The study of a MaxText command line, ``[CONFIG.yml] KEY=VALUE ...`` as MaxText's ``train``
+    and ``train_compile`` take them: MaxText's own train step of that config and those settings
+    (read by MaxText's loader, which refuses a key or value in one line), searched over MaxText's
+    remat presets (``space: maxtext``), with no spec file to write.
+
+    ``compile_topology=v5e-4`` (``train_compile``'s own key) makes the target that TPU topology,
+    compiled ahead of time; without it, the local devices. ``batches`` (per-device batch sizes)
+    and ``meshes`` (``fsdp=2,tensor=2``, or ``all``) search configurations beside the policy;
+    ``trials`` defaults to the presets (and six more where configurations are searched). An
+    error names the argument that set the field (:func:`as_flags`)."""
+    from remat_search.plans.export import MAXTEXT_PRESETS
+
+    keys = list(arguments)
+    config = keys.pop(0) if keys and keys[0].endswith((".yml", ".yaml")) else None
+    if config is not None and not os.path.isfile(os.path.expanduser(config)):
+        raise SpecError(f"CONFIG: no such file {config!r}; expected a MaxText config (.yml) or none (MaxText's base.yml)")
+    bad = next((k for k in keys if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", k)), None)
+    if bad is not None:
+        raise SpecError(f"KEY=VALUE: expected MaxText settings as key=value after an optional config .yml, got {bad!r}")
+    mesh: Any = ("all" if "all" in meshes else [_mesh(m) for m in meshes]) if meshes else None
+    if not installed():
+        raise SpecError(f"maxtext: needs MaxText; install it with: {INSTALL}")
+    # MaxText's own reading of key=value arguments (its pyconfig: OmegaConf.from_cli)
+    from omegaconf import OmegaConf
+
+    overrides: dict[str, Any] = OmegaConf.to_container(OmegaConf.from_cli(keys))  # type: ignore[assignment]
+    topology, slices = overrides.pop("compile_topology", None), overrides.pop("compile_topology_num_slices", 1)
+    target: Any = "local"
+    if topology:
+        from maxtext.utils.accelerator_to_spec_map import get_system_characteristics
+
+        try:
+            system = get_system_characteristics(str(topology))
+        except ValueError:
+            raise SpecError(f"compile_topology: MaxText knows no topology {topology!r}; expected one such as v5e-4, "
+                            "v5p-128 or v6e-256") from None
+        if system.platform != "tpu":
+            raise SpecError(f"compile_topology: {topology} is a {system.platform} topology; remat-search compiles "
+                            "ahead of time for TPU topologies only (search a GPU on the GPU itself)")
+        if str(slices) != "1":
+            raise SpecError(f"compile_topology_num_slices: expected 1 (one slice), got {slices!r}")
+        target = {"platform": "tpu", "topology": system.topology_name}
+    named = overrides.get("model_name") or (os.path.splitext(os.path.basename(config))[0] if config else "base")
+    workload = {"kind": "maxtext", **({"config": os.path.expanduser(config)} if config else {}), "overrides": overrides}
+    data: dict[str, Any] = {
+        "study": study or "maxtext-" + re.sub(r"[^A-Za-z0-9_-]+", "-", str(named)).strip("-"),
+        "workload": workload, "space": "maxtext", "target": target,
+        # every preset; with configurations to search, six more candidates beside them
+        "trials": trials or len(MAXTEXT_PRESETS) + (6 if batches or meshes else 0), **({"budget": budget} if budget else {}),
+        **({"storage": storage} if storage else {}), **({"workers": workers} if workers else {}),
+    }
+    try:
+        spec = parse_spec(data)
+        read = maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
+        if batches or meshes:
+            if not batches:
+                if not float(read.per_device_batch_size).is_integer():
+                    raise SpecError(f"--batch: the config's per_device_batch_size is {read.per_device_batch_size}; "
+                                    "give --batch N (whole examples)")
+                batches = (int(read.per_device_batch_size),)
+            spec = parse_spec({**data, "configuration": {"batch": list(batches), "mesh": mesh}})
+    except SpecError as e:
+        raise as_flags(e) from None
+    return spec
+
+
+_FLAGS = {
+    "spec.workload: MaxText refuses the settings": "KEY=VALUE: MaxText refuses them", "spec.budget": "--budget",
+    "spec.trials": "--trials", "spec.storage": "--storage", "spec.workers": "--workers",
+    "spec.configuration.batch": "--batch", "spec.configuration.mesh": "--mesh",
+}
+"""The fields of the spec :func:`maxtext_study` builds, by the argument that set each."""
+
+
+def as_flags(error: SpecError) -> SpecError:
+    """``error`` of the spec :func:`maxtext_study` built, naming the argument the user gave
+    (``--budget: ...``) instead of a spec field they never wrote."""
+    text = str(error)
+    field = next((f for f in _FLAGS if text.startswith(f)), None)
+    return SpecError(_FLAGS[field] + text[len(field):]) if field else error
+
+
+def _mesh(text: str) -> dict[str, int]:
+    """``--mesh fsdp=2,tensor=2`` as a mesh."""
+    parts = [p.split("=", 1) for p in text.split(",") if p]
+    if not parts or any(len(p) != 2 or not p[1].isdigit() or int(p[1]) < 1 for p in parts):
+        raise SpecError(f"--mesh: expected AXIS=N,AXIS=N (such as fsdp=2,tensor=2) or all, got {text!r}")
+    return {axis: int(n) for axis, n in parts}
