@@ -285,11 +285,12 @@ def spec(run: Run, storage: str, trials: int) -> dict[str, Any]:
     }
 
 
-def search(run: Run, storage: str, trials: int, *, keep_programs: bool = False) -> StudyReport:
-    """``run``'s study, its workers compiling with the run's ``LIBTPU_INIT_ARGS``."""
+def search(run: Run, storage: str, trials: int, *, keep_programs: bool = False, **fields: Any) -> StudyReport:
+    """``run``'s study (its spec's top-level ``fields`` replaced), its workers compiling with the
+    run's ``LIBTPU_INIT_ARGS``."""
     before = os.environ.get("LIBTPU_INIT_ARGS")
     os.environ["LIBTPU_INIT_ARGS"] = run.flags
-    study = spec(run, storage, trials)
+    study = {**spec(run, storage, trials), **fields}
     study["target"]["keep_programs"] = keep_programs
     try:
         return remat_search.run(parse_spec(study))
@@ -605,20 +606,20 @@ def keep_answers(runs: list[Run]) -> None:
             continue
         c = best.plan.configuration
         with tempfile.TemporaryDirectory() as home:
-            study = spec(run, f"sqlite:///{home}/answer.db", 1)
-            study["space"]["choices"] = [next(ch for ch in run.choices if label(ch) == best.labels[0])]
-            study["configuration"] = {"batch": [c.batch], "global_batch": run.chips * run.per_device_batch,
-                                      "mesh": [dict(c.mesh)], **({"settings": {k: [v] for k, v in c.settings}} if c.settings else {})}
-            study["target"]["keep_programs"] = True
-            os.environ["REMAT_SEARCH_HOME"], os.environ["LIBTPU_INIT_ARGS"] = home, run.flags
+            os.environ["REMAT_SEARCH_HOME"] = home
             try:
-                answer = remat_search.run(parse_spec(study)).trials[0]
+                answer = search(
+                    run, f"sqlite:///{home}/answer.db", 1, keep_programs=True,
+                    space={"layout": "uniform", "choices": [next(ch for ch in run.choices if label(ch) == best.labels[0])]},
+                    configuration={"batch": [c.batch], "global_batch": run.chips * run.per_device_batch, "mesh": [dict(c.mesh)],
+                                   **({"settings": {k: [v] for k, v in c.settings}} if c.settings else {})},
+                ).trials[0]
             finally:
-                os.environ.pop("REMAT_SEARCH_HOME"), os.environ.pop("LIBTPU_INIT_ARGS")
+                os.environ.pop("REMAT_SEARCH_HOME")
             if answer.measurement is None or answer.measurement.program_digest is None or answer.summary() != best.summary():
                 print(f"{run.name}: the answer ({best.summary()}) was not compiled as searched", flush=True)
                 continue
-            shutil.copy(Path(home) / ARTIFACTS / study["study"] / KEPT / f"{answer.measurement.program_digest}.hlo.gz",
+            shutil.copy(Path(home) / ARTIFACTS / f"maxtext-{run.name}" / KEPT / f"{answer.measurement.program_digest}.hlo.gz",
                         ANSWERS / f"{run.name}.hlo.gz")
             print(f"{run.name}: kept the answer's program ({best.summary()})", flush=True)
 
