@@ -132,10 +132,16 @@ class Cached(NamedTuple):
 def create_table(engine: sa.Engine) -> None:
     """Make the cache's tables if they are missing (optuna's tables are left alone). Searches
     that start at once may race to make them: the database refuses all but the first, which is fine."""
-    try:
-        metadata.create_all(engine, tables=[measurements, programs, claims])
-    except (sa.exc.ProgrammingError, sa.exc.IntegrityError, sa.exc.OperationalError):  # made by another just now:
-        metadata.create_all(engine, tables=[measurements, programs, claims])  # it is there now (checked first)
+    for attempt in range(5):
+        try:
+            metadata.create_all(engine, tables=[measurements, programs, claims])  # checks first
+            return
+        except (sa.exc.ProgrammingError, sa.exc.IntegrityError, sa.exc.OperationalError):
+            # Another search made one of them just now, maybe while this one made the one before:
+            # "table … already exists" can come once a table, so check again until all are there.
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def claim(engine: sa.Engine, device: DeviceInfo, plan_digest: str, *, study: str, trial: int) -> tuple[str, int] | None:

@@ -522,3 +522,29 @@ def test_a_trial_two_searches_popped_at_once_carries_no_mark_of_reuse_and_an_old
     assert found.measurement is not None and found.measurement.step_times == (0.2, 0.2)
     assert found.reused_from is None and found.cached_from is None
     assert not {REUSED_ATTR, CACHED_ATTR} & set(trial.user_attrs)
+
+
+def _make_tables(url: str, start: float) -> None:
+    """One search's start: wait for the others, then make the cache's tables."""
+    import time
+
+    time.sleep(max(0.0, start - time.time()))
+    cache.create_table(sa.create_engine(url, connect_args={"timeout": 30}))
+
+
+def test_searches_that_start_at_once_all_make_the_cache_s_tables(tmp_path: Path) -> None:
+    """Six processes make the tables of one new SQLite file at the same instant, eight files
+    over: SQLite refuses every "CREATE TABLE" but the first, once a table, and none of them fails."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    with concurrent.futures.ProcessPoolExecutor(6, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.1] * 6))  # every process started before the race
+        for n in range(8):
+            url = f"sqlite:///{tmp_path / f'{n}.db'}"
+            start = time.time() + 0.2
+            for done in [pool.submit(_make_tables, url, start) for _ in range(6)]:
+                done.result()
+            assert set(sa.inspect(sa.create_engine(url)).get_table_names()) == {
+                t.name for t in (cache.measurements, cache.programs, cache.claims)}
