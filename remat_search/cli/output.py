@@ -101,6 +101,8 @@ def _table(title: str, columns: dict[str, dict]) -> Table:
 _NUMBER = {"justify": "right", "no_wrap": True}
 _PLAN = {"min_width": 15, "ratio": 1}
 _STATUS = {"min_width": len("over_budget")}
+_STEP = {"justify": "right", "min_width": len("1,000.0 ms ✓")}
+"""A step's time stays on its first line; an estimate's band and a throughput after it wrap."""
 
 
 def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | None = None) -> Table:
@@ -108,7 +110,7 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
     terminal without the spread, FLOPs and peak as % of the budget)."""
     narrow = _narrow()
     columns = {
-        "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _NUMBER, "spread": _NUMBER,
+        "trial": _NUMBER, "plan": _PLAN, "peak": _NUMBER, "step": _STEP, "spread": _NUMBER,
         "XLA GFLOP": _NUMBER, "status": _STATUS,
     }
     if narrow:

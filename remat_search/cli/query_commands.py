@@ -102,7 +102,6 @@ def best(
     from remat_search.plans.export import FORMATS, export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.queries import budget_bytes
-    from remat_search.report.results import settlement
     from remat_search.report.stored import open_study
 
     if form != "table" and form not in FORMATS:
@@ -113,9 +112,7 @@ def best(
         limit = budget_bytes(asked, stored, name="--budget")
         for_maxtext = maxtext_answer(stored, limit) if form.startswith("maxtext") else None
         found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
-        untimed = stored.untimed_within(limit)
-        close = rivals(found, stored.trials_within(limit)) if band_of(found) else []
-    note = answer_note(found, limit, settlement(stored.attrs), stored.name)
+        notes = answer_notes(stored, found, limit)
     if form != "table":
         assert found.plan is not None
         print(export(found.plan, form))  # type: ignore[arg-type]
@@ -124,14 +121,21 @@ def best(
     else:
         output.console.print(output.trials_table(f"Best plan of {stored.name!r} for {format_bytes(limit)}", [found], budget=limit))
         output.console.print(describe_trial(found, stored.device, stored.gradient_tolerance))
-    if note:
-        output.note(note)
-    if within := rivals_note(found, close):
-        output.note(within)
-    if untimed:
-        output.errors.print(
-            f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them"
-        )
+    for line in notes:
+        output.note(line)
+
+
+def answer_notes(stored: Any, found: Any, limit: int) -> list[str]:
+    """What an answer for ``limit`` bytes needs said beside it, as ``best`` and ``maxtext`` print
+    it: how it was timed (or that it was not re-timed), the plans within its estimate's error,
+    and the plans that fit ``limit`` but were never timed (over the study's own budget)."""
+    from remat_search.report.results import settlement
+
+    notes = [answer_note(found, limit, settlement(stored.attrs), stored.name)]
+    notes.append(rivals_note(found, rivals(found, stored.trials_within(limit)) if band_of(found) else []))
+    if untimed := stored.untimed_within(limit):
+        notes.append(f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them")
+    return [line for line in notes if line]
 
 
 def plan(

@@ -28,6 +28,15 @@ def installed() -> bool:
         return False
 
 
+def before_import() -> None:
+    """Where the user set neither, keep what MaxText's import would print out of our output: call
+    before importing any of MaxText. It imports transformers, which warns of its own model configs
+    at import; its package turns on XLA's INFO lines (``TF_CPP_MIN_LOG_LEVEL=0``: a TPU compile's
+    PjRt lines in every search), where JAX's own default shows warnings and errors only."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
 def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None, **more: Any) -> Any:
     """MaxText's config (``pyconfig.initialize``, MaxText's own loader) of the spec's workload with
     ``settings`` (a candidate's) laid over its overrides: a one-line :class:`SpecError` quoting
@@ -38,11 +47,9 @@ def maxtext_config(config: MaxTextConfig, settings: dict[str, Any] | None = None
         return _READ[config.model_dump_json()]
     if not installed():
         raise SpecError(f"spec.workload: kind maxtext needs MaxText; install it with: {INSTALL}")
-    # MaxText imports transformers, which warns of its own model configs at import: not ours to say.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    before_import()
     with quiet_libtpu():  # MaxText's loader starts JAX's backends: libtpu, where installed, loads
-        from maxtext.trainers.pre_train import train  # noqa: F401 - before pyconfig: MaxText's import order
-        from maxtext.configs import pyconfig
+        from maxtext.configs import pyconfig  # alone: its train module (13 s to import) is the worker's
 
         base = config.config or os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
         # Where MaxText would write a run's outputs (it warns where none is given); compiling writes nothing there.

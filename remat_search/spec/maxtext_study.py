@@ -12,7 +12,7 @@ from typing import Any
 
 from remat_search.errors import SpecError
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.maxtext import INSTALL, installed, maxtext_config
+from remat_search.spec.maxtext import INSTALL, before_import, installed, maxtext_config
 from remat_search.spec.models import SearchSpec
 
 
@@ -50,6 +50,7 @@ def maxtext_study(
     topology, slices = overrides.pop("compile_topology", None), overrides.pop("compile_topology_num_slices", 1)
     target: Any = "local"
     if topology:
+        before_import()
         from maxtext.utils.accelerator_to_spec_map import get_system_characteristics
 
         try:

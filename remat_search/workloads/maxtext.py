@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from remat_search.errors import CandidateRefused, SpecError
 from remat_search.plans.export import maxtext_remat
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.maxtext import maxtext_config, refusal
+from remat_search.spec.maxtext import before_import, maxtext_config, refusal
 from remat_search.spec.workloads import MaxTextConfig
 from remat_search.workloads.base import Workload
 
@@ -118,6 +118,7 @@ class MaxTextWorkload(Workload):
 def remat_names() -> tuple[str, ...]:
     """The tensor names MaxText's ``remat_policy: custom`` sets one by one (its config's fields
     whose values are ``remat`` / ``device`` / ``offload``), read from the installed MaxText."""
+    before_import()
     from maxtext.configs import types
 
     return tuple(n for n, f in types.RematAndOffload.model_fields.items() if f.annotation is types.RematLocation)
@@ -137,6 +138,8 @@ class _Program:
     def __init__(self, spec: MaxTextConfig, settings: dict[str, Any], devices: list[Any]) -> None:
         import jax
         from jax.sharding import AxisType, Mesh
+
+        before_import()
         from maxtext.common.common_types import ShardMode
         from maxtext.trainers.pre_train import train, train_compile
         from maxtext.utils import max_utils, maxtext_utils, sharding
