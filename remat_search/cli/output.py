@@ -9,7 +9,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -374,3 +374,17 @@ def doctor_table(checks: Iterable[Check]) -> Table:
     for c in checks:
         table.add_row(c.name, Text(c.status, style=_CHECK_STYLE[c.status]), Text(c.found), Text(c.fix))
     return table
+
+
+def answer_notes(stored: Any, found: Any, limit: int) -> list[str]:
+    """What an answer for ``limit`` bytes needs said beside it, as ``best`` and ``maxtext`` print
+    it: how it was timed (or that it was not re-timed), the plans within its estimate's error,
+    and the plans that fit ``limit`` but were never timed (over the study's own budget)."""
+    from remat_search.report.results import settlement
+    from remat_search.report.text import answer_note, band_of, rivals, rivals_note, untimed_text
+
+    notes = [answer_note(found, limit, settlement(stored.attrs), stored.name)]
+    notes.append(rivals_note(found, rivals(found, stored.trials_within(limit)) if band_of(found) else []))
+    if untimed := stored.untimed_within(limit):
+        notes.append(f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them")
+    return [line for line in notes if line]

@@ -17,20 +17,15 @@ import typer
 from remat_search.cli import flags, output
 from remat_search.cli.flags import BudgetOption, PlotOption, StorageOption, StudyOption
 from remat_search.errors import SpecError
-from remat_search.store.attributes import SPEC_ATTR
 from remat_search.report.text import (
-    band_of,
-    rivals,
-    rivals_note,
-    answer_note,
     budget_line,
     describe_trial,
     front_json,
     no_trial_text,
     sharding_line,
     time_models_note,
-    untimed_text,
 )
+from remat_search.store.attributes import SPEC_ATTR
 from remat_search.units import format_bytes
 
 
@@ -112,7 +107,7 @@ def best(
         limit = budget_bytes(asked, stored, name="--budget")
         for_maxtext = maxtext_answer(stored, limit) if form.startswith("maxtext") else None
         found = for_maxtext.answer if for_maxtext is not None else stored.best(limit)
-        notes = answer_notes(stored, found, limit)
+        notes = output.answer_notes(stored, found, limit)
     if form != "table":
         assert found.plan is not None
         print(export(found.plan, form))  # type: ignore[arg-type]
@@ -123,19 +118,6 @@ def best(
         output.console.print(describe_trial(found, stored.device, stored.gradient_tolerance))
     for line in notes:
         output.note(line)
-
-
-def answer_notes(stored: Any, found: Any, limit: int) -> list[str]:
-    """What an answer for ``limit`` bytes needs said beside it, as ``best`` and ``maxtext`` print
-    it: how it was timed (or that it was not re-timed), the plans within its estimate's error,
-    and the plans that fit ``limit`` but were never timed (over the study's own budget)."""
-    from remat_search.report.results import settlement
-
-    notes = [answer_note(found, limit, settlement(stored.attrs), stored.name)]
-    notes.append(rivals_note(found, rivals(found, stored.trials_within(limit)) if band_of(found) else []))
-    if untimed := stored.untimed_within(limit):
-        notes.append(f"note: {untimed_text(len(untimed), limit, stored.budget)}; a study with a larger spec budget would time them")
-    return [line for line in notes if line]
 
 
 def plan(

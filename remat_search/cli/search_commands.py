@@ -164,7 +164,6 @@ def maxtext(
 
       remat-search maxtext model_name=llama2-7b per_device_batch_size=2 compile_topology=v5e-4 --mesh all
     """
-    from remat_search.cli.query_commands import answer_notes
     from remat_search.plans.export import export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.stored import open_study
@@ -189,7 +188,7 @@ def maxtext(
     _tell(report, f"remat-search show --study {report.study}" + (f" --storage {storage}" if storage else ""))
     with open_study(report.study, loaded.storage) as stored:
         found = maxtext_answer(stored, report.budget)
-        notes = answer_notes(stored, found.answer, report.budget)
+        notes = output.answer_notes(stored, found.answer, report.budget)
     output.console.print(f"The answer for {size_argument(report.budget)}, to paste onto your MaxText config "
                          f"({'settings' if form == 'maxtext' else 'arguments'}):", highlight=False)
     assert found.answer.plan is not None
