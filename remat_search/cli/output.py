@@ -9,7 +9,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the CLI imports this module for --help too: what reads stud
     from remat_search.cli.doctor import Check
     from remat_search.report.queries import StudySummary
     from remat_search.report.results import StudyReport, TrialResult
+    from remat_search.report.stored import StoredStudy
     from remat_search.search.advice import Advice
     from remat_search.search.progress import Progress
     from remat_search.targets.calibration import Calibration
@@ -376,7 +377,7 @@ def doctor_table(checks: Iterable[Check]) -> Table:
     return table
 
 
-def answer_notes(stored: Any, found: Any, limit: int) -> list[str]:
+def answer_notes(stored: StoredStudy, found: TrialResult, limit: int) -> list[str]:
     """What an answer for ``limit`` bytes needs said beside it, as ``best`` and ``maxtext`` print
     it: how it was timed (or that it was not re-timed), the plans within its estimate's error,
     and the plans that fit ``limit`` but were never timed (over the study's own budget)."""
