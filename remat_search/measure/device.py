@@ -60,6 +60,9 @@ class DeviceInfo(BaseModel):
     """Hash of the no-remat step's jaxpr: the workload's code, not only its shapes (cache key)."""
     traced_names: tuple[str, ...] | None = None
     """The ``checkpoint_name`` tags the traced step emits (None: it did not trace)."""
+    traced_bytes: dict[str, int] | None = None
+    """The bytes each of those tags marks in the traced step (``TracedStep.sizes``): what a
+    ``layout: tensors`` space's cost model weighs each tensor by. None: not traced."""
     shardings: str | None = None
     """Over a mesh, where the state's shardings come from (:meth:`Workload.sharding_source`):
     the model's own partitioning or the FSDP heuristic; None without a mesh."""
@@ -117,6 +120,7 @@ def describe(target: Target, mesh: Any, workload: Any, traced: Any) -> DeviceInf
         workload_fingerprint=workload.fingerprint(),
         program_fingerprint=traced.fingerprint,
         traced_names=None if traced.names is None else tuple(sorted(traced.names)),
+        traced_bytes=traced.sizes,
         shardings=workload.sharding_source() if mesh is not None else None,
         sharding_digest=sharding_digest(workload, mesh),
         workload_note=workload.note(),

@@ -172,12 +172,13 @@ def _stored_space(study: StoredStudy, layers: int) -> Space:
             f"study: {study.name!r} was not made by remat-search (it has no search space stored)"
         )
     try:
-        return Space.of(SpaceConfig.model_validate(stored), max(layers, 1))
+        space = Space.of(SpaceConfig.model_validate(stored), max(layers, 1))
     except ValidationError as e:
         raise StorageError(
             f"study: {study.name!r} stores a search space that no longer validates "
             f"({describe_validation_error(e, prefix='space')}); search again under a new study name"
         ) from None
+    return space.with_tensor_bytes((study.attrs.get("device_info") or {}).get("traced_bytes"))
 
 
 def _expected_seconds(advice: Advice) -> tuple[float, str]:

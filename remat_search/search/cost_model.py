@@ -156,12 +156,14 @@ class CostModel(BaseModel):
 
 def fit_cost_model(
     observations: Sequence[Observation], *, labels: Sequence[str], unit_layers: Sequence[Sequence[int]],
-    units: Sequence[str], layers: int, ridge: float | None = None,
+    units: Sequence[str], layers: int, ridge: float | None = None, weights: Sequence[float] | None = None,
 ) -> CostModel | None:
     """Fit the model, or None while the study cannot price at least two choices yet.
 
     A choice is priced once its uniform preset has a compiled peak and FLOP count; time
-    needs at least one plan that ran.
+    needs at least one plan that ran. ``weights``: each unit's share of a preset's saving and
+    extra time in the prior (a ``tensors`` space's, by each tensor's bytes), in place of the
+    shares its layers give.
     """
     n_units = len(unit_layers)
     presets: dict[str, list[Observation]] = {}
@@ -182,6 +184,8 @@ def fit_cost_model(
     # Where a choice's saving lands: layers before the last; its extra work: every layer.
     before_last = [sum(1 for i in ls if i < layers - 1) / max(layers - 1, 1) for ls in unit_layers]
     share = [len(ls) / layers for ls in unit_layers]
+    if weights is not None:
+        before_last = share = list(weights)
     peak_prior = np.array([[(preset_peak[label] - preset_peak[ref]) * w for label in usable] for w in before_last])
 
     # Seconds per extra FLOP, from every plan that ran.
@@ -275,7 +279,9 @@ def observations(trials: Iterable[tuple[TrialResult, Mapping[str, object]]], spa
             continue
         seen.setdefault(result.plan.digest, Observation(
             choices=choices, peak=m.memory.peak, flops=m.flops,
-            seconds=m.step_seconds if m.status == "measured" else None,
+            # a plan over the budget never runs; on a target where steps are estimated, its
+            # estimate was made all the same, and prices its choices as any other's does
+            seconds=m.step_seconds if m.status == "measured" else m.estimated_seconds,
         ))
     return list(seen.values())
 
@@ -284,7 +290,7 @@ def cost_model(trials: Iterable[tuple[TrialResult, Mapping[str, object]]], space
     """The cost model fitted to everything ``trials`` (complete, with their parameters) measured."""
     return fit_cost_model(
         observations(trials, space), labels=space.labels, unit_layers=space.unit_layers,
-        units=space.units, layers=space.layers,
+        units=space.units, layers=space.layers, weights=space.weights,
     )
 
 

@@ -159,6 +159,7 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -
         peak = no_remat_peak(asked, spec, runner, space.layers)
         asked = asked.of(peak)
     budget = resolve_budget(asked, device)
+    space = space.with_tensor_bytes(device.traced_bytes)
     if spec.configuration is not None:
         axes, strict = search_axes(spec.workload)
         space = space.with_configurations(configurations(

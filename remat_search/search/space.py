@@ -3,7 +3,9 @@
 A :class:`Space` is built once for a spec's :class:`~remat_search.spec.models.SpaceConfig` and a
 workload's layer count. ``uniform`` gives every layer the same choice (one categorical
 parameter, ``policy``); ``per_layer`` gives each layer its own (``layer_00``, ``layer_01``, …);
-``segments`` gives each contiguous group of layers its own (``segment_00``, …). With
+``segments`` gives each contiguous group of layers its own (``segment_00``, …); ``tensors``
+gives each tensor name its place, on the device, recomputed or offloaded (``tensor_context``,
+…), every layer alike (one ``per_name`` policy, MaxText's ``remat_policy: custom``). With
 ``nested: true`` one more parameter, ``layout``, picks ``flat`` or ``nested`` (recursive
 checkpointing). The uniform plan of every choice — the presets people pick by hand — is
 what :meth:`Space.presets` gives the search to queue first, so every study shows them beside
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from remat_search.errors import SpecError
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
-from remat_search.plans.policy import import_function
+from remat_search.plans.policy import LayerPolicy, import_function
 from remat_search.spec.models import SpaceConfig
 
 if TYPE_CHECKING:  # optuna where a search walks the space: `plan` reads one without it
@@ -30,6 +32,8 @@ if TYPE_CHECKING:  # optuna where a search walks the space: `plan` reads one wit
 LAYOUT_PARAM = "layout"
 """The parameter of a ``nested: true`` space that picks the plan's layout."""
 LAYOUTS = ("flat", "nested")
+TENSOR_PARAM = "tensor_"
+"""The prefix of a ``tensors`` space's parameters: ``tensor_context`` places ``context``."""
 CONFIGURATION_PARAM = "configuration"
 """The parameter of a configuration study that picks the candidate's configuration, by its
 :meth:`Configuration.summary`."""
@@ -49,6 +53,8 @@ class Space:
     """For each of :attr:`units`, in order, the layer indices its choice applies to."""
     configurations: tuple[Configuration, ...] = ()
     """The configurations searched (none: the spec's own batch and mesh)."""
+    tensor_bytes: tuple[tuple[str, int], ...] = ()
+    """A ``tensors`` space's (name, bytes) of of each tensor one layer saves, where the traced step told them."""
 
     def with_configurations(self, configurations: tuple[Configuration, ...]) -> Space:
         """This space with the ``configuration`` parameter choosing among ``configurations``."""
@@ -64,6 +70,9 @@ class Space:
         do not fit them."""
         if config.layout == "uniform":
             return cls(config, layers, ("policy",), (tuple(range(layers)),))
+        if config.layout == "tensors":
+            names = config.tensors or ()
+            return cls(config, layers, tuple(TENSOR_PARAM + n for n in names), (tuple(range(layers)),) * len(names))
         if config.layout == "per_layer":
             return cls(config, layers, tuple(f"layer_{i:02d}" for i in range(layers)), tuple((i,) for i in range(layers)))
         sizes = _segment_sizes(config, layers)
@@ -115,8 +124,33 @@ class Space:
             params[CONFIGURATION_PARAM] = configuration or self.configuration_labels[0]
         return params
 
+    @property
+    def weights(self) -> tuple[float, ...] | None:
+        """For the cost model's prior, each unit's share of what a preset saves and costs: a
+        ``tensors`` space's by each tensor's bytes where the traced step told them
+        (:meth:`with_tensor_bytes`), else alike; None: by the layers each unit holds."""
+        if self.config.layout != "tensors":
+            return None
+        known = dict(self.tensor_bytes)
+        sizes = [float(known.get(n, 0)) for n in self.tensor_names]
+        if not sizes or not all(sizes):
+            sizes = [1.0] * len(self.units)
+        return tuple(size / sum(sizes) for size in sizes)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """A ``tensors`` space's tensor names, in its units' order (none for another layout)."""
+        return tuple(u.removeprefix(TENSOR_PARAM) for u in self.units) if self.config.layout == "tensors" else ()
+
+    def with_tensor_bytes(self, tensor_bytes: Mapping[str, int] | None) -> Space:
+        """This space with the bytes of each tagged tensor one layer saves (the traced step's,
+        :attr:`DeviceInfo.traced_bytes`): the cost model's prior spreads a preset by them."""
+        return replace(self, tensor_bytes=tuple(sorted((tensor_bytes or {}).items())))
+
     def plan(self, params: Mapping[str, Any]) -> RematPlan:
         """The plan a trial's parameters stand for (``layout`` absent means flat)."""
+        if self.config.layout == "tensors":
+            return self._tensor_plan(params)
         policies: list[Any] = [None] * self.layers
         for name, unit in zip(self.units, self.unit_layers, strict=True):
             for i in unit:
@@ -126,8 +160,26 @@ class Space:
             configuration = self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
         return RematPlan(layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"), configuration=configuration)
 
+    def _tensor_plan(self, params: Mapping[str, Any]) -> RematPlan:
+        """A ``tensors`` space's plan: every layer keeps its ``device`` tensors, offloads its
+        ``offload`` ones and recomputes the rest (``per_name``; ``full`` where none is kept)."""
+        where = {name: params[unit] for name, unit in zip(self.tensor_names, self.units, strict=True)}
+        device = [n for n, at in where.items() if at == "device"]
+        offload = [n for n, at in where.items() if at == "offload"]
+        policy = (
+            LayerPolicy(kind="per_name", names=tuple(device), offload=tuple(offload)) if device or offload
+            else LayerPolicy(kind="full")
+        )
+        configuration = None
+        if self.configurations:
+            configuration = self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
+        return RematPlan(layers=(policy,) * self.layers, configuration=configuration)
+
     def layer_labels(self, params: Mapping[str, Any]) -> tuple[str, ...]:
-        """The choice label of each layer under a trial's parameters (what tables print)."""
+        """The choice label of each layer under a trial's parameters (what tables print); a
+        ``tensors`` space's layers, each its policy (``per_name(context; offload mlpwi)``)."""
+        if self.config.layout == "tensors":
+            return tuple(str(p) for p in self.plan(params).layers)
         labels = [""] * self.layers
         for name, unit in zip(self.units, self.unit_layers, strict=True):
             for i in unit:
@@ -162,6 +214,13 @@ class Space:
     def check_names(self, tensor_names: Iterable[str]) -> None:
         """Raise :class:`SpecError` if a choice names a tensor the workload does not declare."""
         known = set(tensor_names)
+        if self.config.layout == "tensors":
+            unknown = sorted(set(self.tensor_names) - known)
+            if unknown:
+                raise SpecError(
+                    f"spec.space.tensors: unknown tensor name(s) {unknown}; the workload names {sorted(known) or 'no tensors'}"
+                )
+            return
         for i, choice in enumerate(self.config.choices):
             unknown = sorted(set(choice.policy.tensor_names) - known)
             if unknown:

@@ -81,12 +81,34 @@ class PolicyChoice(Frozen):
         return value
 
 
+LOCATIONS = ("device", "remat", "offload")
+"""Where a ``layout: tensors`` space may put each tensor: kept on the device, recomputed, or
+offloaded to pinned host memory (GPU/TPU only): MaxText's words for ``remat_policy: custom``."""
+
+
+def _location_choice(location: Any, tensors: list[str]) -> dict[str, Any]:
+    """The choice of a ``layout: tensors`` space that puts every one of ``tensors`` at
+    ``location`` (a word of :data:`LOCATIONS`, or that choice as a spec dumps it): its uniform
+    plan, the preset the search queues first."""
+    label = location.get("label") if isinstance(location, dict) else location
+    if label not in LOCATIONS:
+        raise ValueError(f"layout: tensors takes choices among {', '.join(LOCATIONS)}, got {location!r}")
+    policy = {"device": {"kind": "per_name", "names": tensors}, "remat": {"kind": "full"},
+              "offload": {"kind": "per_name", "offload": tensors}}[label]
+    return {"label": label, "policy": policy}
+
+
 class SpaceConfig(Frozen):
     """The plans a study may propose: a layout and a finite list of policy choices."""
 
-    layout: Literal["uniform", "per_layer", "segments"] = "per_layer"
+    layout: Literal["uniform", "per_layer", "segments", "tensors"] = "per_layer"
     """``uniform``: one choice for all layers; ``per_layer``: one a layer; ``segments``: one
-    for each contiguous group of layers given by ``segments``."""
+    for each contiguous group of layers given by ``segments``; ``tensors``: one for each tensor
+    name of ``tensors``, its location (``choices`` among ``device``, ``remat``, ``offload``),
+    every layer alike: MaxText's ``remat_policy: custom``."""
+    tensors: tuple[str, ...] | None = None
+    """With ``layout: tensors`` (and only then): the ``checkpoint_name`` tags to place. Each
+    unlisted tag is recomputed, as MaxText's ``custom`` policy recomputes an unlisted name."""
     segments: PositiveInt | tuple[PositiveInt, ...] | None = Field(default=None, validate_default=True)
     """With ``layout: segments`` (and only then): N near-equal contiguous groups (earlier
     groups take the remainder), or the list of group sizes, which must sum to the layers."""
@@ -109,6 +131,30 @@ class SpaceConfig(Frozen):
                 for label, names in MAXTEXT_PRESETS.items()
             ]}
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensors(cls, value: Any) -> Any:
+        """``layout: tensors``: its locations (default all three) become the choices that put
+        every tensor there, so the presets, the checks of names and of host memory read them as
+        any space's; ``tensors`` is a list of distinct names, and only allowed with it."""
+        if not isinstance(value, dict):
+            return value
+        if value.get("layout") != "tensors":
+            if value.get("tensors") is not None:
+                raise ValueError(f"tensors: only allowed with layout: tensors, not with layout: {value.get('layout', 'per_layer')}")
+            return value
+        if value.get("nested"):
+            raise ValueError("nested: a layout: tensors plan is one policy for every layer, never nested")
+        tensors = value.get("tensors")
+        if not isinstance(tensors, (list, tuple)) or not tensors or not all(isinstance(t, str) and t for t in tensors):
+            raise ValueError(f"tensors: expected a list of the checkpoint_name tags to place, got {tensors!r}")
+        if len(set(tensors)) != len(tensors):
+            raise ValueError(f"tensors: each name once, repeated: {sorted({t for t in tensors if tensors.count(t) > 1})}")
+        choices = value.get("choices", list(LOCATIONS))
+        if not isinstance(choices, (list, tuple)):
+            raise ValueError(f"choices: expected a list among {', '.join(LOCATIONS)}, got {choices!r}")
+        return {**value, "tensors": list(tensors), "choices": [_location_choice(c, list(tensors)) for c in choices]}
 
     @field_validator("segments", mode="before")
     @classmethod

@@ -20,6 +20,10 @@ class TracedStep(NamedTuple):
     names: frozenset[str] | None
     """The ``checkpoint_name`` tags the step emits (a model's tags may depend on its
     configuration); None where it does not trace."""
+    sizes: dict[str, int] | None = None
+    """The bytes each tag marks in the traced program, every occurrence counted once (a scanned
+    layer's once, an unrolled stack's once a layer): what a ``tensors`` space's cost model
+    weighs its tensors by. None where it does not trace."""
 
 
 def trace_step(workload: Workload) -> TracedStep:
@@ -32,18 +36,28 @@ def trace_step(workload: Workload) -> TracedStep:
             jaxpr = jax.make_jaxpr(workload.step(workload.baseline_plan()))(state, batch)
     except Exception as e:  # noqa: BLE001 - a step that does not trace fails each candidate, with its reason
         return TracedStep(hashlib.sha256(f"does not trace: {type(e).__name__}".encode()).hexdigest()[:16], None)
-    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], traced_names(jaxpr))
+    sizes = traced_sizes(jaxpr)
+    return TracedStep(hashlib.sha256(str(jaxpr).encode()).hexdigest()[:16], frozenset(sizes), sizes)
 
 
 def traced_names(jaxpr: Any) -> frozenset[str]:
     """The ``checkpoint_name`` tags (the ``name`` primitive) in ``jaxpr`` (a ClosedJaxpr or a
     Jaxpr) and every jaxpr inside it (jit, scan, remat, cond)."""
-    found: set[str] = set()
+    return frozenset(traced_sizes(jaxpr))
+
+
+def traced_sizes(jaxpr: Any) -> dict[str, int]:
+    """The bytes each ``checkpoint_name`` tag marks in ``jaxpr`` and every jaxpr inside it,
+    summed over the tag's occurrences (0 for a value whose size is not static)."""
+    found: dict[str, int] = {}
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
+            aval = eqn.invars[0].aval
+            size = getattr(aval, "size", 0) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+            found[eqn.params["name"]] = found.get(eqn.params["name"], 0) + int(size)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-                    found |= traced_names(sub)
-    return frozenset(found)
+                    for name, size in traced_sizes(sub).items():
+                        found[name] = found.get(name, 0) + size
+    return found
