@@ -131,7 +131,7 @@ def maxtext(
              "compiler reports it; required on CPU.",
     )] = None,
     trials: Annotated[int | None, typer.Option(min=1, metavar="N", show_default=False, help="Candidates to compile (default: "
-                                               "MaxText's six remat presets; six more with --batch or --mesh).")] = None,
+                                               "MaxText's six remat presets, or 12 with --space tensors; six more with --batch or --mesh).")] = None,
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, metavar="N", show_default=False,
         help="Per-device batch sizes to search beside the policy (repeat it); with --mesh alone, the config's.",
@@ -146,6 +146,16 @@ def maxtext(
     storage: StorageOption = None,
     workers: Annotated[str | None, typer.Option(metavar="N|auto", show_default=False,
                                                 help="Worker processes compiling at once, as in `run --workers`.")] = None,
+    space: Annotated[str, typer.Option(
+        "--space", metavar="presets|tensors",
+        help="What to search: MaxText's six remat presets, or its whole custom policy, each tensor (--tensors) on "
+             "the device, recomputed or, on a TPU topology, offloaded, the planner choosing 12 candidates by default.",
+    )] = "presets",
+    tensors: Annotated[str | None, typer.Option(
+        "--tensors", metavar="NAME,...", show_default=False,
+        help="With --space tensors: the tensor names to place (default: a dense decoder's, decoder_layer_input, "
+             "query_proj, key_proj, value_proj, context, out_proj, mlpwi_0, mlpwi_1, mlpwo).",
+    )] = None,
     form: Annotated[str, typer.Option(
         "--format", metavar="maxtext|maxtext-args",
         help="The answer as MaxText settings to paste onto your config (maxtext), or as key=value arguments for "
@@ -156,7 +166,8 @@ def maxtext(
 
     No spec to write: the config and KEY=VALUE settings are read by MaxText's own loader (a key
     or value it refuses is one line, exit 2), and the study searches MaxText's remat presets
-    (remat_policy full and custom with device/remat per tensor), and, with --batch or --mesh,
+    (remat_policy full and custom with device/remat per tensor) or, with --space tensors, every
+    custom policy of the tensors named, and, with --batch or --mesh,
     the batch and mesh beside them. Running the same command again resumes the study. The
     answer is the fastest plan that fits the budget, as MaxText settings (docs/spec.md, MaxText).
 
@@ -171,10 +182,15 @@ def maxtext(
 
     if form not in ("maxtext", "maxtext-args"):
         raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")
+    if space not in ("presets", "tensors"):
+        raise SpecError(f"--space: expected presets or tensors, got {space!r}")
+    if tensors is not None and space != "tensors":
+        raise SpecError("--tensors: only with --space tensors")
     output.quiet_optuna()
     loaded = maxtext_study(
         arguments or [], budget=budget, trials=trials, study=flags.study(study) if study else None, storage=storage,
         workers=flags.workers(workers), batches=batch or (), meshes=mesh or (),
+        tensors=None if space == "presets" else [n for n in (tensors or "").split(",") if n],
     )
     if isinstance(loaded.budget, int):
         output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)

@@ -13,13 +13,21 @@ from typing import Any
 from remat_search.errors import SpecError
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.maxtext import INSTALL, before_import, installed, maxtext_config
-from remat_search.spec.models import SearchSpec
+from remat_search.spec.models import LOCATIONS, SearchSpec
+
+DENSE_TENSORS = (
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo",
+)
+"""The tensors a dense MaxText decoder layer tags (Llama's, Mistral's, Gemma's: gated MLP), which
+``remat-search maxtext --space tensors`` places unless ``--tensors`` names others."""
+TENSOR_TRIALS = 12
+"""Candidates a ``--space tensors`` study compiles by default: its presets, then the planner's."""
 
 
 def maxtext_study(
     arguments: Sequence[str], *, budget: str | None = None, trials: int | None = None, study: str | None = None,
     storage: str | None = None, workers: str | None = None, batches: Sequence[int] = (),
-    meshes: Sequence[str] = (),
+    meshes: Sequence[str] = (), tensors: Sequence[str] | None = None,
 ) -> SearchSpec:
     """The study of a MaxText command line, ``[CONFIG.yml] KEY=VALUE ...`` as MaxText's ``train``
     and ``train_compile`` take them: MaxText's own train step of that config and those settings
@@ -30,8 +38,13 @@ def maxtext_study(
     compiled ahead of time; without it, the local devices. ``batches`` (per-device batch sizes)
     and ``meshes`` (``fsdp=2,tensor=2``, or ``all``) search configurations beside the policy;
     ``trials`` defaults to the presets (and six more where configurations are searched). An
-    error names the argument that set the field (:func:`as_flags`)."""
-    from remat_search.plans.export import MAXTEXT_PRESETS
+    error names the argument that set the field (:func:`as_flags`).
+
+    ``tensors``: search MaxText's whole ``remat_policy: custom`` space instead of its presets,
+    each of these tensor names (empty: :data:`DENSE_TENSORS`) on the device, recomputed or, on
+    a TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
+    :data:`TENSOR_TRIALS` candidates by default."""
+    from remat_search.plans.export import MAXTEXT_PRESETS, PINNED
 
     keys = list(arguments)
     config = keys.pop(0) if keys and keys[0].endswith((".yml", ".yaml")) else None
@@ -66,11 +79,18 @@ def maxtext_study(
         target = {"platform": "tpu", "topology": system.topology_name}
     named = overrides.get("model_name") or (os.path.splitext(os.path.basename(config))[0] if config else "base")
     workload = {"kind": "maxtext", **({"config": os.path.expanduser(config)} if config else {}), "overrides": overrides}
+    space: Any = "maxtext"
+    if tensors is not None:  # on the device or recomputed; offloaded where the target has host memory (a TPU)
+        names = list(tensors or DENSE_TENSORS)
+        if target == "local" and PINNED in names and not tensors:
+            names.remove(PINNED)  # MaxText keeps it on the device unless offloaded: two choices, one program
+        space = {"layout": "tensors", "tensors": names, "choices": list(LOCATIONS if target != "local" else LOCATIONS[:2])}
+    default_trials = TENSOR_TRIALS if tensors is not None else len(MAXTEXT_PRESETS)
     data: dict[str, Any] = {
         "study": study or "maxtext-" + re.sub(r"[^A-Za-z0-9_-]+", "-", str(named)).strip("-"),
-        "workload": workload, "space": "maxtext", "target": target,
+        "workload": workload, "space": space, "target": target,
         # every preset; with configurations to search, six more candidates beside them
-        "trials": trials or len(MAXTEXT_PRESETS) + (6 if batches or meshes else 0), **({"budget": budget} if budget else {}),
+        "trials": trials or default_trials + (6 if batches or meshes else 0), **({"budget": budget} if budget else {}),
         **({"storage": storage} if storage else {}), **({"workers": workers} if workers else {}),
     }
     try:
@@ -91,7 +111,8 @@ def maxtext_study(
 _FLAGS = {
     "spec.workload: MaxText refuses the settings": "KEY=VALUE: MaxText refuses them", "spec.budget": "--budget",
     "spec.trials": "--trials", "spec.storage": "--storage", "spec.workers": "--workers",
-    "spec.configuration.batch": "--batch", "spec.configuration.mesh": "--mesh",
+    "spec.configuration.batch": "--batch", "spec.configuration.mesh": "--mesh", "spec.space.tensors": "--tensors",
+    "spec.space: tensors": "--tensors",
 }
 """The fields of the spec :func:`maxtext_study` builds, by the argument that set each."""
 

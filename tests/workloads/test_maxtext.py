@@ -117,15 +117,19 @@ def maxtexts_own(settings: list[dict]) -> list[dict]:
 @needs_maxtext
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
 def test_on_cpu_the_maxtext_command_s_peaks_are_maxtext_s_own_and_its_answer_pastes(tmp_path: Path) -> None:
-    """``remat-search maxtext`` with MaxText's own key=value arguments, no spec: every preset it
-    tried has MaxText's own compile's peak, and its first step (bfloat16 matmuls, MaxText's AdamW,
-    float32 weights) passes the check against full remat's, read from MaxText's own optimizer
-    state, within the threshold measured on it; the answer it prints, pasted onto a config,
-    reads back through MaxText's loader as the plan the study ranked first."""
-    out, trials = commanded(tmp_path, *TINY_ARGS, "--budget", "1GiB", "--trials", "3")
+    """``remat-search maxtext --space tensors`` with MaxText's own key=value arguments, no spec:
+    every custom policy it tried (the two presets, every tensor on the device or every one
+    recomputed, then the planner's) has MaxText's own compile's peak, and its first step
+    (bfloat16 matmuls, MaxText's AdamW, float32 weights) passes the check against full remat's,
+    read from MaxText's own optimizer state, within the threshold measured on it; the answer it
+    prints, pasted onto a config, reads back through MaxText's loader as the plan the study
+    ranked first. (MaxText's presets are the v5e test's.)"""
+    out, trials = commanded(tmp_path, *TINY_ARGS, "--budget", "1GiB", "--trials", "3", "--space", "tensors",
+                            "--tensors", "query_proj,out_proj,mlpwo")
     assert len(trials) == 3
     plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
     assert len({plan.digest for plan in plans}) == 3
+    assert [str(plan.layers[0]) for plan in plans[:2]] == ["per_name(mlpwo,out_proj,query_proj)", "full"]
     owns = maxtexts_own([{**TINY, **maxtext(plan), "hardware": "cpu", "skip_jax_distributed_system": True} for plan in plans])
     for trial, plan, own in zip(trials, plans, owns, strict=True):
         peak = own["argument"] + own["output"] - own["alias"] + own["temp"]  # the CPU compiler states no peak
