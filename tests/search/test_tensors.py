@@ -97,7 +97,7 @@ def test_on_a_tpu_target_the_planner_finds_the_exhaustive_optimum_in_fewer_compi
     the plan an exhaustive enumeration (optuna's grid sampler) finds fastest within it, which is
     no preset (keeping both is over the budget; recomputing or offloading both is slower). Both
     studies share one database, so the enumeration compiles only what the planner did not.
-    ``benchmarks/search_quality_tpu.py --tensors`` runs three tensors, 3³ combinations."""
+    ``benchmarks/tensors_exhaustive.py`` runs three tensors, 3³ combinations, at three budgets."""
     common = {
         "space": {"layout": "tensors", "tensors": ["out_proj", "mlpwi"]}, "target": {"platform": "tpu", "topology": "v5e:2x2"},
         "mesh": {"fsdp": 4}, "budget": "27MiB", "confirm": {"top": 0}, "workload": WIDE,
