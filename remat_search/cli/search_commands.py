@@ -154,7 +154,7 @@ def maxtext(
     tensors: Annotated[str | None, typer.Option(
         "--tensors", metavar="NAME,...", show_default=False,
         help="With --space tensors: the tensor names to place (default: a dense decoder's, decoder_layer_input, "
-             "query_proj, key_proj, value_proj, context, out_proj, mlpwi_0, mlpwi_1, mlpwo).",
+             "query_proj, key_proj, value_proj, attention_out, out_proj, mlpwi_0, mlpwi_1, mlpwo).",
     )] = None,
     form: Annotated[str, typer.Option(
         "--format", metavar="maxtext|maxtext-args",

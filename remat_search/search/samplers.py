@@ -4,13 +4,15 @@ A sampler is an ``optuna.samplers.BaseSampler`` (the base: optuna drives it thro
 study) built for a search by a :data:`SamplerFactory` from ``(space, budget, seed)``; the
 registry :data:`SAMPLERS` holds one factory a kind, and a new sampler is one
 :func:`register`-ed factory here. Registered: the planner's own (:class:`PlannerSampler`,
-which proposes the cost model's best plans for the budget and along its front, then hands
-over to TPE when the model has nothing new to propose), then optuna's. All but ``random``
+which proposes the cost model's best plans for the budget and along its front, then the
+fastest untried plan one unit away from the front, then hands over to TPE when the model has
+nothing new to propose), then optuna's. All but ``random``
 learn from the budget constraint.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +70,8 @@ def make_sampler(config: SamplerConfig, *, space: Space, budget: int, offset: in
 
 
 class PlannerSampler(Sampler):
-    """Proposes the cost model's best plans for the budget and along the front, then TPE's.
+    """Proposes the cost model's best plans for the budget and along the front, then the
+    fastest untried neighbour of the front (one unit changed) predicted to fit, then TPE's.
 
     Each of its own proposals is one the study has not tried yet (TPE, once handed over, may
     repeat one: the measurement cache makes that free); its prediction is kept here by trial
@@ -115,7 +118,8 @@ class PlannerSampler(Sampler):
 
     def _propose(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """For the first target budget with one, the fastest predicted plan among its best
-        :data:`PER_TARGET` that the study has not tried."""
+        :data:`PER_TARGET` that the study has not tried; else the fastest untried plan one unit
+        away from the front that is predicted to fit the budget."""
         if self._space.configurations:
             return self._propose_configured(study)
         model = study_cost_model(study, self._space)
@@ -131,6 +135,16 @@ class PlannerSampler(Sampler):
             for prediction in fitting[::-1][:PER_TARGET]:
                 if prediction.choices not in tried:
                     return prediction, target, model.observations, model.margin
+        # Every plan of the front is tried (one plan may dominate all others): the fastest
+        # untried plan one unit away from the front predicted to fit, so that the study measures
+        # what is near the best rather than what TPE, with a few trials, would repeat.
+        near = [
+            prediction for plan in front for u, label in itertools.product(range(len(plan.choices)), model.labels)
+            if (choices := (*plan.choices[:u], label, *plan.choices[u + 1:])) not in tried
+            and (prediction := model.predict(choices)) is not None and prediction.peak * (1 + model.margin) <= self._budget
+        ]
+        if near:
+            return min(near, key=lambda p: p.seconds), self._budget, model.observations, model.margin
         return None
 
 

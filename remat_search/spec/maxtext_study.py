@@ -16,10 +16,12 @@ from remat_search.spec.maxtext import INSTALL, before_import, installed, maxtext
 from remat_search.spec.models import LOCATIONS, SearchSpec
 
 DENSE_TENSORS = (
-    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo",
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1",
+    "mlpwo",
 )
-"""The tensors a dense MaxText decoder layer tags (Llama's, Mistral's, Gemma's: gated MLP), which
-``remat-search maxtext --space tensors`` places unless ``--tensors`` names others."""
+"""The tensors MaxText 0.2.5's dense decoder layer tags (``decoder_block: llama2``, gated MLP, as
+traced: ``attention_out``, not ``context``), which ``remat-search maxtext --space tensors``
+places unless ``--tensors`` names others."""
 TENSOR_TRIALS = 12
 """Candidates a ``--space tensors`` study compiles by default: its presets, then the planner's."""
 
