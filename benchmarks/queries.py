@@ -49,7 +49,7 @@ from remat_search.report.results import study_report
 from remat_search.report.stored import open_study
 from remat_search.search.cost_model import keep_cost_model
 from remat_search.search.space import Space
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 from remat_search.store.attributes import COST_MODEL_ATTR, LAYERS_ATTR
 from remat_search.units import format_bytes, parse_bytes
 

@@ -27,12 +27,11 @@ import optuna
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import remat_search  # noqa: E402
-from remat_search.search import samplers  # noqa: E402
-from remat_search.spec.loading import parse_spec  # noqa: E402
-from remat_search.units import format_bytes  # noqa: E402
-
-from tests.conftest import TINY_TRANSFORMER, spec_dict  # noqa: E402
+import remat_search
+from remat_search.search import samplers
+from remat_search.spec.loading import parse_spec
+from remat_search.units import format_bytes
+from tests.conftest import TINY_TRANSFORMER, spec_dict
 
 WIDE = {**TINY_TRANSFORMER, "d_model": 64, "d_ff": 256, "seq_len": 512, "batch": 16}
 
@@ -82,9 +81,9 @@ def main() -> None:
     lines = [
         f"# The planner against every combination of {len(tensors)} tensors' places ({combinations}), v5e:2x2, estimated",
         "",
-        f"`python benchmarks/tensors_exhaustive.py --tensors {args.tensors} --planner-trials {args.planner_trials}`; "
-        f"the enumeration: {combinations} compiles in {enumerated:.0f} s on this host. Budgets: fractions of the span "
-        f"{format_bytes(peaks[0])} – {format_bytes(peaks[-1])} of its peaks.",
+        (f"`python benchmarks/tensors_exhaustive.py --tensors {args.tensors} --planner-trials {args.planner_trials}`; "
+         f"the enumeration: {combinations} compiles in {enumerated:.0f} s on this host. Budgets: fractions of the span "
+         f"{format_bytes(peaks[0])} – {format_bytes(peaks[-1])} of its peaks."),
         "",
         "| budget | exhaustive optimum | est. step | planner's answer | est. step | same plan | planner trial that first held it | planner trials |",
         "|---|---|---|---|---|---|---|---|",

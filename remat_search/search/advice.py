@@ -25,7 +25,7 @@ from remat_search.search.cost_model import CostModel, Prediction, cost_model, ke
 from remat_search.search.space import Space
 from remat_search.spec.budget import Share, read_budget
 from remat_search.spec.loading import describe_validation_error
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 from remat_search.store.attributes import LAYERS_ATTR
 from remat_search.units import format_bytes, format_seconds
 

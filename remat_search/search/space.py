@@ -23,7 +23,7 @@ from remat_search.errors import SpecError
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.plan import RematPlan
 from remat_search.plans.policy import LayerPolicy, import_function
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 
 if TYPE_CHECKING:  # optuna where a search walks the space: `plan` reads one without it
     import optuna
@@ -54,7 +54,7 @@ class Space:
     configurations: tuple[Configuration, ...] = ()
     """The configurations searched (none: the spec's own batch and mesh)."""
     tensor_bytes: tuple[tuple[str, int], ...] = ()
-    """A ``tensors`` space's (name, bytes) of of each tensor one layer saves, where the traced step told them."""
+    """A ``tensors`` space's (name, bytes) of each tensor one layer saves, where the traced step told them."""
 
     def with_configurations(self, configurations: tuple[Configuration, ...]) -> Space:
         """This space with the ``configuration`` parameter choosing among ``configurations``."""

@@ -13,7 +13,8 @@ from typing import Any
 from remat_search.errors import SpecError
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.maxtext import INSTALL, before_import, installed, maxtext_config
-from remat_search.spec.models import LOCATIONS, SearchSpec
+from remat_search.spec.models import SearchSpec
+from remat_search.spec.space import LOCATIONS
 
 DENSE_TENSORS = (
     "decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1",

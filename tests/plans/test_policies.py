@@ -24,7 +24,7 @@ from remat_search import POLICIES, LayerPolicy, PolicyKind, RematPlan, register_
 from remat_search.errors import SpecError
 from remat_search.plans.export import PINNED, maxtext
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import PolicyChoice
+from remat_search.spec.space import PolicyChoice
 
 NAMES = ("mlpwi",)
 WRITTEN: dict[str, tuple[Any, dict[str, Any]]] = {

@@ -21,7 +21,7 @@ from remat_search.workloads.mlp import MlpWorkload
 from remat_search.plans.plan import apply_layers, scan_layers, segments
 from remat_search.search.space import Space
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 from remat_search.spec.workloads import MlpConfig, TransformerConfig
 from remat_search.workloads.transformer import TransformerWorkload
 from remat_search.workloads.base import Workload

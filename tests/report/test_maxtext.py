@@ -23,7 +23,7 @@ from remat_search.report.maxtext import MaxTextAnswer, maxtext_answer
 from remat_search.report.results import TrialResult
 from remat_search.report.stored import open_study
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 from tests.conftest import spec_dict, write_spec
 
 

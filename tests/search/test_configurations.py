@@ -129,7 +129,7 @@ def test_a_configuration_s_settings_are_in_its_plan_and_its_export_and_leave_oth
 
 
 def _space_of(*configurations: Configuration) -> Space:
-    from remat_search.spec.models import SpaceConfig
+    from remat_search.spec.space import SpaceConfig
 
     return Space.of(SpaceConfig(layout="per_layer", choices=["none", "full"]), 2).with_configurations(configurations)
 

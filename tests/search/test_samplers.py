@@ -13,7 +13,8 @@ from remat_search.errors import SpecError
 from remat_search.search.samplers import SAMPLERS, Sampler, check_sampler, make_sampler, register
 from remat_search.search.space import Space
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import SamplerConfig, SpaceConfig
+from remat_search.spec.models import SamplerConfig
+from remat_search.spec.space import SpaceConfig
 
 from tests.conftest import spec_dict
 

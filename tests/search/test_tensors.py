@@ -18,9 +18,8 @@ from remat_search.plans.plan import RematPlan
 from remat_search.search import samplers
 from remat_search.search.space import Space
 from remat_search.spec.loading import parse_spec
-from remat_search.spec.models import SpaceConfig
+from remat_search.spec.space import SpaceConfig
 from remat_search.store.attributes import PLAN_ATTR
-
 from tests.conftest import TINY_TRANSFORMER, spec_dict
 
 TENSORS = ["context", "out_proj", "mlpwi"]
@@ -119,7 +118,7 @@ def test_on_a_tpu_target_the_planner_finds_the_exhaustive_optimum_in_fewer_compi
     assert found.plan.digest == exhaustive.plan.digest, (found.summary(), exhaustive.summary())
     assert str(found.plan.layers[0]) == "per_name(mlpwi)"  # out_proj recomputed, mlpwi kept
     compiled = {t.plan.digest for t in planned.trials if t.plan is not None}
-    assert len(compiled) <= 6 < 9 and len(planned.trials) == 6
+    assert len(compiled) <= 6 and len(planned.trials) == 6  # of the 9 the enumeration compiled
 
 
 class _Grid(optuna.samplers.GridSampler):
