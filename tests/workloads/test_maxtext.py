@@ -275,6 +275,12 @@ def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp
     (["compile_topology=v5e-4", "compile_topology_num_slices=2"], "error: compile_topology_num_slices: expected 1"),
     (["compile_topology=v5e-4", "--mesh", "fsdp=two"], "error: --mesh: expected AXIS=N,AXIS=N"),
     (["--format", "yaml"], "error: --format: expected maxtext or maxtext-args"),
+    (["--space", "all"], "error: --space: expected presets or tensors, got 'all'"),
+    (["--tensors", "out_proj"], "error: --tensors: only with --space tensors"),
+    ([*TINY_ARGS, "--budget", "1GiB", "--space", "tensors", "--tensors", "out_proj,out_proj"],
+     "error: --tensors: each name once, repeated: ['out_proj']"),
+    ([*TINY_ARGS, "--budget", "1GiB", "--space", "tensors", "--tensors", "out_proj,bogus"],
+     "error: --tensors: unknown tensor name(s) ['bogus']; the workload names"),  # found as the search opens
     ([*TINY_ARGS, "--budget", "wide"], "error: --budget: expected"),
     (TINY_ARGS, "error: --budget: required here: cpu reports no memory limit"),  # found as the search opens
 ])
