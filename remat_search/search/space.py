@@ -140,7 +140,7 @@ class Space:
     @property
     def tensor_names(self) -> tuple[str, ...]:
         """A ``tensors`` space's tensor names, in its units' order (none for another layout)."""
-        return tuple(u.removeprefix(TENSOR_PARAM) for u in self.units) if self.config.layout == "tensors" else ()
+        return self.config.tensors or ()
 
     def with_tensor_bytes(self, tensor_bytes: Mapping[str, int] | None) -> Space:
         """This space with the bytes of each tagged tensor one layer saves (the traced step's,
@@ -155,10 +155,9 @@ class Space:
         for name, unit in zip(self.units, self.unit_layers, strict=True):
             for i in unit:
                 policies[i] = self.config.policy(params[name])
-        configuration = None
-        if self.configurations:
-            configuration = self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
-        return RematPlan(layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"), configuration=configuration)
+        return RematPlan(
+            layers=tuple(policies), layout=params.get(LAYOUT_PARAM, "flat"), configuration=self._configuration(params),
+        )
 
     def _tensor_plan(self, params: Mapping[str, Any]) -> RematPlan:
         """A ``tensors`` space's plan: every layer keeps its ``device`` tensors, offloads its
@@ -170,10 +169,13 @@ class Space:
             LayerPolicy(kind="per_name", names=tuple(device), offload=tuple(offload)) if device or offload
             else LayerPolicy(kind="full")
         )
-        configuration = None
-        if self.configurations:
-            configuration = self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
-        return RematPlan(layers=(policy,) * self.layers, configuration=configuration)
+        return RematPlan(layers=(policy,) * self.layers, configuration=self._configuration(params))
+
+    def _configuration(self, params: Mapping[str, Any]) -> Configuration | None:
+        """The configuration a trial's parameters pick, where the space searches them."""
+        if not self.configurations:
+            return None
+        return self.configurations[self.configuration_labels.index(params[CONFIGURATION_PARAM])]
 
     def layer_labels(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         """The choice label of each layer under a trial's parameters (what tables print); a
