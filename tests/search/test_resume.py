@@ -26,7 +26,10 @@ def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
 
 
 def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storage_url: str) -> None:
-    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, trials=4, confirm={"top": 0}))
+    # Many timed steps, so a trial spends seconds being measured and the kill lands in one
+    # (with the shared compilation cache, a trial is otherwise over in a blink).
+    timing = {"warmup": 1, "repeats": 500, "timeout": "300s"}
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, trials=4, confirm={"top": 0}, timing=timing))
     search = run_process("run", str(spec))
     deadline = time.monotonic() + 300
     while True:  # wait until some trials are complete and one has chosen its plan and is being measured
