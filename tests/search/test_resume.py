@@ -26,10 +26,13 @@ def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
 
 
 def test_kill_9_mid_trial_then_rerun_resumes_and_finishes(tmp_path: Path, storage_url: str) -> None:
-    # Many timed steps, so a trial spends seconds being measured and the kill lands in one
-    # (with the shared compilation cache, a trial is otherwise over in a blink).
-    timing = {"warmup": 1, "repeats": 500, "timeout": "300s"}
-    spec = write_spec(tmp_path / "spec.yaml", spec_dict(storage_url, trials=4, confirm={"top": 0}, timing=timing))
+    # Each compile sleeps 2 s (tests.factories.slow_compile), so the kill lands while a trial that
+    # chose its plan is being measured (with the shared compilation cache, a tiny model's trial
+    # is otherwise over in a blink, and CI saw the kill land between two trials).
+    spec = write_spec(tmp_path / "spec.yaml", spec_dict(
+        storage_url, trials=4, confirm={"top": 0}, space={"layout": "per_layer", "choices": ["none", "full", "dots"]},
+        workload={"factory": "tests.factories:slow_compile", "args": {"seconds": 2.0}},
+    ))
     search = run_process("run", str(spec))
     deadline = time.monotonic() + 300
     while True:  # wait until some trials are complete and one has chosen its plan and is being measured
