@@ -110,7 +110,7 @@ def test_on_a_tpu_target_the_planner_finds_the_exhaustive_optimum_in_fewer_compi
     samplers.register("grid")(lambda space, budget, seed: _Grid({unit: list(space.labels) for unit in space.units}, seed=seed))
     try:
         everything = remat_search.run(parse_spec(spec_dict(
-            storage_url, study="exhaustive", trials=6,  # the 2 presets, then the grid's 4 points sampler={"kind": "grid", "seed": 0}, **common,
+            storage_url, study="exhaustive", trials=6, sampler={"kind": "grid", "seed": 0}, **common,  # 2 presets, 4 points
         )))
     finally:
         samplers.SAMPLERS.pop("grid", None)
