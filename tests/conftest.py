@@ -66,11 +66,7 @@ byte). Made by :func:`pytest_configure`; a test of the cache itself sets its own
 
 def pytest_configure(config: pytest.Config) -> None:
     """Make the run's :data:`SHARED_JAX_CACHE` folder once, in the controller, before the
-    xdist workers start (they inherit the variable); unless the caller named one. Add
-    :data:`FAST_CODEGEN` to ``XLA_FLAGS`` unless the caller sets that level."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if FAST_CODEGEN.split("=")[0] not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {FAST_CODEGEN}".strip()
+    xdist workers start (they inherit the variable); unless the caller named one."""
     if not hasattr(config, "workerinput") and SHARED_JAX_CACHE not in os.environ:
         folder = tempfile.mkdtemp(prefix="remat-search-tests-jax-cache-")
         os.environ[SHARED_JAX_CACHE] = folder
@@ -84,13 +80,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _MADE_CACHE = pytest.StashKey[str]()
-FAST_CODEGEN = "--xla_backend_optimization_level=0"
-"""XLA's last step, LLVM's optimisation of the machine code it emits for the CPU, skipped in the
-suite: what compiling costs falls by a third (a 5-trial study of the check's transformer with no
-compilation cache: 55 CPU-s, 34 with it, the same five peaks to the byte), though a test that
-hits the shared cache gains less (the check's 4-device search: 45 CPU-s, 44). It comes after every decision the tests
-assert: XLA's HLO passes (fusion, rematerialisation, buffer assignment, hence every peak) run
-as they do for a user. The steps run slower, and no test asserts a time."""
 
 
 def _signal_state() -> tuple[object, frozenset[signal.Signals]]:
