@@ -134,7 +134,9 @@ def maxtext(
                                                "MaxText's six remat presets, or 12 with --space tensors; six more with --batch or --mesh).")] = None,
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, metavar="N", show_default=False,
-        help="Per-device batch sizes to search beside the policy (repeat it); with --mesh alone, the config's.",
+        help="Batch sizes to search beside the policy (repeat it), per data-parallel device (MaxText's "
+             "per_device_batch_size over data and fsdp axes alone); with --mesh alone, the config's global batch on a "
+             "compile_topology, made up by each mesh.",
     )] = None,
     mesh: Annotated[list[str] | None, typer.Option(
         "--mesh", metavar="AXIS=N,...|all", show_default=False,

@@ -5,6 +5,7 @@ with every error naming the argument the user gave."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ def maxtext_study(
     overrides: dict[str, Any] = OmegaConf.to_container(OmegaConf.from_cli(keys))  # type: ignore[assignment]
     topology, slices = overrides.pop("compile_topology", None), overrides.pop("compile_topology_num_slices", 1)
     target: Any = "local"
+    chips = None  # the topology's, where one is named (the local devices are the worker's to count)
     if topology:
         before_import()
         from maxtext.utils.accelerator_to_spec_map import get_system_characteristics
@@ -80,6 +82,7 @@ def maxtext_study(
         if str(slices) != "1":
             raise SpecError(f"compile_topology_num_slices: expected 1 (one slice), got {slices!r}")
         target = {"platform": "tpu", "topology": system.topology_name}
+        chips = system.devices_per_slice
     named = overrides.get("model_name") or (os.path.splitext(os.path.basename(config))[0] if config else "base")
     workload = {"kind": "maxtext", **({"config": os.path.expanduser(config)} if config else {}), "overrides": overrides}
     space: Any = "maxtext"
@@ -100,12 +103,15 @@ def maxtext_study(
         spec = parse_spec(data)
         read = maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
         if batches or meshes:
-            if not batches:
+            configuration: dict[str, Any] = {"batch": list(batches), "mesh": mesh}
+            if not batches and chips is not None:
+                configuration = _config_global_batch(float(read.per_device_batch_size), chips, mesh)
+            elif not batches:
                 if not float(read.per_device_batch_size).is_integer():
                     raise SpecError(f"--batch: the config's per_device_batch_size is {read.per_device_batch_size}; "
                                     "give --batch N (whole examples)")
-                batches = (int(read.per_device_batch_size),)
-            spec = parse_spec({**data, "configuration": {"batch": list(batches), "mesh": mesh}})
+                configuration["batch"] = [int(read.per_device_batch_size)]
+            spec = parse_spec({**data, "configuration": configuration})
     except SpecError as e:
         raise as_flags(e) from None
     return spec
@@ -126,6 +132,24 @@ def as_flags(error: SpecError) -> SpecError:
     text = str(error)
     field = next((f for f in _FLAGS if text.startswith(f)), None)
     return SpecError(_FLAGS[field] + text[len(field):]) if field else error
+
+
+def _config_global_batch(per_device: float, chips: int, mesh: Any) -> dict[str, Any]:
+    """The configurations of ``--mesh`` without ``--batch`` on a topology of ``chips``: the
+    config's own global batch (MaxText's ``per_device_batch_size`` counts every chip) kept in
+    every candidate, each mesh's batch per data-parallel device that makes it up in one step
+    first, then the smaller micro-batches that make it up by accumulation. Without it, a mesh
+    with a ``tensor`` axis would train a smaller global batch than the config."""
+    from remat_search.plans.configuration import BATCH_AXES
+
+    examples = per_device * chips
+    if not examples.is_integer():
+        raise SpecError(f"--batch: the config's per_device_batch_size {per_device} × {chips} chips is no whole "
+                        "global batch; give --batch N (examples per data-parallel device)")
+    ways = ([math.prod(size for axis, size in m.items() if axis in BATCH_AXES) for m in mesh] if mesh != "all"
+            else [d for d in range(1, chips + 1) if chips % d == 0])
+    batches = sorted({int(examples) // w for w in ways if examples % w == 0}, reverse=True)
+    return {"batch": batches or [1], "global_batch": int(examples), "mesh": mesh}
 
 
 def _mesh(text: str) -> dict[str, int]:

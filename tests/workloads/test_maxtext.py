@@ -204,6 +204,31 @@ def test_maxtext_s_axes_are_what_mesh_all_spans_and_a_setting_maxtext_refuses_is
         check_workload(bad)
 
 
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+@pytest.mark.parametrize(("meshes", "expected"), [
+    # (mesh, per-data-parallel batch, accumulation) of each candidate, the first the config's own step
+    (["tensor=4", "fsdp=2,tensor=2"], [({"tensor": 4}, 4, 1), ({"tensor": 4}, 2, 2), ({"fsdp": 2, "tensor": 2}, 2, 1)]),
+    (["fsdp=4", "fsdp=2,tensor=2"], [({"fsdp": 4}, 1, 1), ({"fsdp": 2, "tensor": 2}, 2, 1), ({"fsdp": 2, "tensor": 2}, 1, 2)]),
+])
+def test_meshes_without_batch_keep_the_config_s_global_batch_on_a_topology(meshes: list[str], expected: list) -> None:
+    """``remat-search maxtext ... compile_topology=v5e-4 --mesh ...`` without ``--batch``: the
+    config's ``per_device_batch_size: 1`` counts all 4 chips, so every candidate trains 4 examples
+    a step, over a ``tensor`` axis too (a batch per data-parallel device read from it would train
+    fewer there), and each answer's ``per_device_batch_size`` and accumulation give MaxText the same."""
+    from remat_search.plans.export import maxtext_configuration
+    from remat_search.search.configurations import MAXTEXT_AXES, configurations
+    from remat_search.spec.maxtext_study import maxtext_study
+
+    spec = maxtext_study([*TINY_ARGS, "compile_topology=v5e-4"], budget="1GiB", meshes=meshes)
+    assert spec.configuration is not None and spec.configuration.global_batch == 4
+    found = configurations(spec.configuration, devices=4, mesh=None, sequence=32, axes=MAXTEXT_AXES, strict=True)
+    assert [(dict(c.mesh), c.batch, c.accumulation) for c in found] == expected
+    for c in found:
+        settings = maxtext_configuration(c)
+        assert settings["per_device_batch_size"] * 4 * settings["gradient_accumulation_steps"] == 4, settings
+
+
 REFUSED = [
     ({"overrides": {**TINY, "bogus_key": 1}}, "'bogus_key' not in 'emb_dim'"),
     ({"overrides": {**TINY, "base_emb_dim": "wide"}}, "base_emb_dim: Input should be a valid integer"),
@@ -267,6 +292,8 @@ def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp
      "error: --tensors: each name once, repeated: ['out_proj']"),
     ([*TINY_ARGS, "--budget", "1GiB", "--space", "tensors", "--tensors", "out_proj,bogus"],
      "error: --tensors: unknown tensor name(s) ['bogus']; the workload names"),  # found as the search opens
+    ([*TINY_ARGS, "per_device_batch_size=0.375", "compile_topology=v5e-4", "--mesh", "fsdp=4"],
+     "error: --batch: the config's per_device_batch_size 0.375 × 4 chips is no whole global batch"),
     ([*TINY_ARGS, "--budget", "wide"], "error: --budget: expected"),
     (TINY_ARGS, "error: --budget: required here: cpu reports no memory limit"),  # found as the search opens
 ])
