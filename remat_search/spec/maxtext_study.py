@@ -103,14 +103,15 @@ def maxtext_study(
         spec = parse_spec(data)
         read = maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
         if batches or meshes:
-            configuration: dict[str, Any] = {"batch": list(batches), "mesh": mesh}
-            if not batches and chips is not None:
+            if batches:
+                configuration: dict[str, Any] = {"batch": list(batches), "mesh": mesh}
+            elif chips is not None:
                 configuration = _config_global_batch(float(read.per_device_batch_size), chips, mesh)
-            elif not batches:
-                if not float(read.per_device_batch_size).is_integer():
-                    raise SpecError(f"--batch: the config's per_device_batch_size is {read.per_device_batch_size}; "
-                                    "give --batch N (whole examples)")
-                configuration["batch"] = [int(read.per_device_batch_size)]
+            elif float(read.per_device_batch_size).is_integer():
+                configuration = {"batch": [int(read.per_device_batch_size)], "mesh": mesh}
+            else:
+                raise SpecError(f"--batch: the config's per_device_batch_size is {read.per_device_batch_size}; "
+                                "give --batch N (whole examples)")
             spec = parse_spec({**data, "configuration": configuration})
     except SpecError as e:
         raise as_flags(e) from None
