@@ -76,8 +76,6 @@ def move_refused(search: SearchState, trials: list[optuna.trial.FrozenTrial]) ->
     and the refused ones themselves, queued again there. Else a refused first mesh would spend
     every preset on a refusal, and the presets would never run. Where every configuration is
     refused, they stay (and are refused in turn)."""
-    if not search.space.configurations:
-        return
     refused = refused_configurations(trials)
     accepted = [label for label in search.space.configuration_labels if label not in refused]
     if not refused or not accepted:
