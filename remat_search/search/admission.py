@@ -15,11 +15,10 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.plans.plan import RematPlan
-from remat_search.search.samplers import record_prediction, refused_configurations
-from remat_search.search.space import CONFIGURATION_PARAM
+from remat_search.search.samplers import record_prediction
 from remat_search.search.state import SearchState
-from remat_search.store.liveness import admitted, ask, counts, enqueue, mark
-from remat_search.store.attributes import LABELS_ATTR, PLAN_ATTR, QUEUED_ATTR
+from remat_search.store.liveness import admitted, ask, counts, mark
+from remat_search.store.attributes import LABELS_ATTR, PLAN_ATTR
 
 WAIT = "wait"
 """What :func:`next_trial` answers while the remaining trials are all running elsewhere."""
@@ -47,7 +46,6 @@ def next_trial(search: SearchState) -> Asked | Literal["wait"] | None:
             return None
         if done + sum(1 for t in trials if t.state == TrialState.RUNNING) >= search.spec.trials:
             return WAIT
-        move_refused(search, trials)
         trial = ask(search.study)
         try:
             search.heartbeats.add(search.trial_id(trial))  # its first heartbeat: its place in the order of admission
@@ -64,32 +62,3 @@ def next_trial(search: SearchState) -> Asked | Literal["wait"] | None:
             search.interrupt(trial)
             raise
         return Asked(trial, plan, labels, done)
-
-
-FIXED_PARAMS = "fixed_params"
-"""Where optuna keeps a queued trial's parameters (``Study.enqueue_trial``), until it is asked for."""
-
-
-def move_refused(search: SearchState, trials: list[optuna.trial.FrozenTrial]) -> None:
-    """Move the queued plans (the presets, queued at the first configuration) whose configuration
-    the workload has refused to the first configuration it has not refused: those still waiting,
-    and the refused ones themselves, queued again there. Else a refused first mesh would spend
-    every preset on a refusal, and the presets would never run. Where every configuration is
-    refused, they stay (and are refused in turn)."""
-    refused = refused_configurations(trials)
-    accepted = [label for label in search.space.configuration_labels if label not in refused]
-    if not refused or not accepted:
-        return
-    taken = [t.user_attrs.get(QUEUED_ATTR) or t.params for t in trials]
-    for t in trials:
-        queued = t.user_attrs.get(QUEUED_ATTR)
-        if not queued or queued.get(CONFIGURATION_PARAM) not in refused:
-            continue
-        moved = {**queued, CONFIGURATION_PARAM: accepted[0]}
-        if t.state == TrialState.WAITING:
-            trial_id = search.trial_id(t)
-            search.storage.set_trial_user_attr(trial_id, QUEUED_ATTR, moved)
-            search.storage.set_trial_system_attr(trial_id, FIXED_PARAMS, moved)
-        elif moved not in taken:
-            enqueue(search.study, moved)
-        taken.append(moved)

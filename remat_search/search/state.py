@@ -45,7 +45,7 @@ class SearchState:
         self.heartbeats = Heartbeats(storage, spec.heartbeat)
         self._recovered = time.monotonic()
 
-    def trial_id(self, trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    def trial_id(self, trial: optuna.Trial) -> int:
         """The storage's id of this search's ``trial`` (optuna keeps its own private)."""
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
 

@@ -226,18 +226,6 @@ def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more
     assert study.trials[2].state == TrialState.PRUNED and study.trials[2].system_attrs["constraints"] == [1.0]
 
 
-def test_presets_queued_at_a_configuration_the_workload_refuses_run_at_the_next(storage_url: str) -> None:
-    """The first configuration refused (as MaxText refuses the first mesh a user lists): the
-    first preset is refused there, and then every preset runs at the next configuration, the
-    refused one queued again; none is spent on a refusal it has already seen."""
-    report = remat_search.run(parse_spec(spec_dict(
-        storage_url, space=SPACE, configuration={"batch": [4, 2]}, trials=3, confirm={"top": 0},
-        sampler={"kind": "planner", "seed": 0}, workload={"factory": "tests.factories:refusing", "args": {"batch": 2}},
-    )))
-    seen = [(t.status, t.plan.configuration.batch, str(t.plan.layers[0])) for t in report.trials]
-    assert seen == [("infeasible", 4, "none"), ("measured", 2, "full"), ("measured", 2, "none")], seen
-
-
 def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_url: str, cli: Any) -> None:
     """Every candidate carries one of the configurations; the presets run at the first; each
     accumulated step passed the gradient check against full remat at its configuration; the
