@@ -135,7 +135,7 @@ def maxtext(
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, metavar="N", show_default=False,
         help="Batch sizes to search beside the policy (repeat it), per data-parallel device (MaxText's "
-             "per_device_batch_size over data and fsdp axes alone); with --mesh alone, the config's global batch on a "
+             "per_device_batch_size over batch axes alone: data, fsdp, fsdp_transpose, expert); with --mesh alone, the config's global batch on a "
              "compile_topology, made up by each mesh.",
     )] = None,
     mesh: Annotated[list[str] | None, typer.Option(

@@ -46,10 +46,11 @@ class ConfigurationSpace(Frozen):
     per token each chip trains on (examples, for a workload without sequences)."""
 
     batch: tuple[PositiveInt, ...] = Field(min_length=1)
-    """Batch sizes to try, per data-parallel device (examples each device of the ``data`` and
-    ``fsdp`` axes runs); with ``global_batch``, the micro-batch of one accumulation step. Over a
-    mesh of those axes alone it is MaxText's ``per_device_batch_size``; over a ``tensor`` axis,
-    say, MaxText's figure is the share of every device, which ``--format maxtext`` gives."""
+    """Batch sizes to try, per data-parallel device (examples each device of the batch axes,
+    ``plans.configuration.BATCH_AXES``, runs); with ``global_batch``, the micro-batch of one
+    accumulation step. Over a mesh of those axes alone it is MaxText's ``per_device_batch_size``;
+    over a ``tensor`` axis, say, MaxText's figure is the share of every device, which
+    ``--format maxtext`` gives."""
     global_batch: PositiveInt | None = None
     """Examples one optimizer step trains on, fixed (null: each batch is one step's, with no
     accumulation). Each micro-batch runs ``global_batch / (batch × data-parallel devices)``
