@@ -164,8 +164,9 @@ it for background jobs, and every process it starts would inherit that (the suit
 
 def run_process(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     """Start ``remat-search ARGS`` as a separate process (for kill -9, Ctrl-C and resume tests);
-    ``env``: variables to set in its environment beside this one's."""
+    ``env``: variables to set in its environment beside this one's (None: to unset)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
+    env = {key: value for key, value in env.items() if value is not None}
     return subprocess.Popen(
         [sys.executable, "-c", AS_FROM_A_TERMINAL, *args], cwd=REPO, env=env, text=True,
         **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs},

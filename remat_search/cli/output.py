@@ -75,7 +75,7 @@ def quiet_optuna() -> None:
 
 
 _STATUS_STYLE = {
-    "measured": "green", "over_budget": "yellow", "failed": "red", "infeasible": "yellow", "interrupted": "dim", "running": "cyan",
+    "measured": "green", "over_budget": "yellow", "failed": "red", "infeasible": "yellow", "interrupted": "dim", "moved": "dim", "running": "cyan",
     "waiting": "dim",
 }
 
@@ -130,7 +130,7 @@ def trials_table(title: str, trials: Iterable[TrialResult], *, budget: int | Non
             status += f" (cached: {t.cached_from})"
         if t.same_program_as:
             status += f" (same program: {t.same_program_as})"
-        if t.error and t.status in ("failed", "infeasible"):
+        if t.error and t.status in ("failed", "infeasible", "moved"):
             status += f": {t.error.splitlines()[0][:80]}"
         cells = {
             "trial": str(t.number),

@@ -28,6 +28,8 @@ from remat_search.store.attributes import (
     INTERRUPTED,
     LABELS_ATTR,
     MEASUREMENT_ATTR,
+    MOVED,
+    MOVED_TO_ATTR,
     PLAN_ATTR,
     PREDICTION_ATTR,
     REUSED_ATTR,
@@ -220,12 +222,15 @@ def result_of(
         status: TrialStatus = measurement.status if measurement else "measured"  # type: ignore[assignment]
     elif state == "FAIL":
         # Failed by the runner, with its reason; else its process stopped or died (see liveness.py).
-        status = "failed" if attrs.get(FAILURE_ATTR) not in (None, INTERRUPTED) else "interrupted"
+        reason = attrs.get(FAILURE_ATTR)
+        status = "moved" if reason == MOVED else "failed" if reason not in (None, INTERRUPTED) else "interrupted"
     elif state == "WAITING":
         status = "waiting"
     else:
         status = "running"
     error = measurement.error if measurement and measurement.error else attrs.get(FAILURE_ATTR)
+    if status == "moved":
+        error = f"the workload refused its configuration: queued again at {attrs.get(MOVED_TO_ATTR)}"
     return TrialResult(
         number=number, status=status, plan=plan, measurement=measurement,
         labels=tuple(attrs.get(LABELS_ATTR, ())) or _param_labels(params, plan),

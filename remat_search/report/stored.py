@@ -51,7 +51,7 @@ from remat_search.report.results import (
 )
 from remat_search.plans.plan import RematPlan
 from remat_search.store.attributes import (
-    FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SETTINGS_ATTR, SPEC_ATTR,
+    FAILURE_ATTR, INTERRUPTED, LAYERS_ATTR, MOVED, NO_REMAT_PEAK_ATTR, PLAN_ATTR, SETTINGS_ATTR, SPEC_ATTR,
 )
 from remat_search.store.reading import Reader, external_value, read_only, seconds_between
 from remat_search.store.storage import no_such_study, resolve_url
@@ -187,8 +187,8 @@ class StoredStudy:
             "SELECT t.datetime_start, t.datetime_complete FROM trials t WHERE t.study_id = :study AND ("
             "t.state IN ('COMPLETE', 'PRUNED') OR (t.state = 'FAIL' AND EXISTS ("
             "SELECT 1 FROM trial_user_attributes a WHERE a.trial_id = t.trial_id AND a.key = :failure "
-            "AND a.value_json NOT IN (:interrupted, 'null'))))",
-            failure=FAILURE_ATTR, interrupted=json.dumps(INTERRUPTED),
+            "AND a.value_json NOT IN (:interrupted, :moved, 'null'))))",
+            failure=FAILURE_ATTR, interrupted=json.dumps(INTERRUPTED), moved=json.dumps(MOVED),
         )
         return [seconds_between(start, end) for start, end in rows]
 

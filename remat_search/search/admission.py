@@ -15,10 +15,11 @@ import optuna
 from optuna.trial import TrialState
 
 from remat_search.plans.plan import RematPlan
-from remat_search.search.samplers import record_prediction
+from remat_search.search.samplers import record_prediction, refused_configurations
+from remat_search.search.space import CONFIGURATION_PARAM
 from remat_search.search.state import SearchState
-from remat_search.store.liveness import admitted, ask, counts, mark
-from remat_search.store.attributes import LABELS_ATTR, PLAN_ATTR
+from remat_search.store.liveness import admitted, ask, counts, enqueue, mark
+from remat_search.store.attributes import FAILURE_ATTR, LABELS_ATTR, MOVED, MOVED_TO_ATTR, PLAN_ATTR, QUEUED_ATTR
 
 WAIT = "wait"
 """What :func:`next_trial` answers while the remaining trials are all running elsewhere."""
@@ -46,7 +47,7 @@ def next_trial(search: SearchState) -> Asked | Literal["wait"] | None:
             return None
         if done + sum(1 for t in trials if t.state == TrialState.RUNNING) >= search.spec.trials:
             return WAIT
-        trial = ask(search.study)
+        trial = _ask_past_refused(search, trials)
         try:
             search.heartbeats.add(search.trial_id(trial))  # its first heartbeat: its place in the order of admission
             if not admitted(search.study, search.storage, search.trial_id(trial), trials=search.spec.trials):
@@ -62,3 +63,35 @@ def next_trial(search: SearchState) -> Asked | Literal["wait"] | None:
             search.interrupt(trial)
             raise
         return Asked(trial, plan, labels, done)
+
+
+def _ask_past_refused(search: SearchState, trials: list[optuna.trial.FrozenTrial]) -> optuna.Trial:
+    """``ask``, where the workload has refused a configuration (an infeasible trial: MaxText
+    refuses a mesh) and others remain: a plan queued at a refused one (a preset: they are queued
+    at the first configuration listed) is queued again at the first configuration not refused,
+    and the trial that took it is failed as :data:`~store.attributes.MOVED`, counted for nothing.
+    The refused queued plans themselves are queued again there too. Else a refused first mesh
+    would spend every preset on a refusal, and no preset would ever run."""
+    refused = refused_configurations(trials) if search.space.configurations else set()
+    accepted = [label for label in search.space.configuration_labels if label not in refused]
+    if not refused or not accepted:
+        return ask(search.study)
+    taken = [t.user_attrs.get(QUEUED_ATTR) or t.params for t in trials if t.user_attrs.get(FAILURE_ATTR) != MOVED]
+
+    def queue_again(queued: dict) -> str:
+        moved = {**queued, CONFIGURATION_PARAM: accepted[0]}
+        if moved not in taken:
+            enqueue(search.study, moved)
+            taken.append(moved)
+        return accepted[0]
+
+    for t in trials:
+        if (queued := t.user_attrs.get(QUEUED_ATTR)) and queued.get(CONFIGURATION_PARAM) in refused and t.state != TrialState.WAITING:
+            queue_again(queued)
+    while (trial := ask(search.study)).user_attrs.get(QUEUED_ATTR, {}).get(CONFIGURATION_PARAM) in refused:
+        queued = trial.user_attrs[QUEUED_ATTR]
+        trial.set_user_attr(PLAN_ATTR, search.space.plan(queued).to_json())
+        trial.set_user_attr(MOVED_TO_ATTR, queue_again(queued))
+        trial.set_user_attr(FAILURE_ATTR, MOVED)
+        search.study.tell(trial, state=TrialState.FAIL)
+    return trial

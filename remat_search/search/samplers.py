@@ -159,12 +159,12 @@ class PlannerSampler(Sampler):
         model = study_configured_model(study, self._space)
         if model is None:
             return None
-        tried, refused = set(), set()
-        for t in study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        tried = set()
+        for t in trials:
             params = t.user_attrs.get(QUEUED_ATTR) or t.params
             tried.add((self._space.choices(params, any_configuration=True), params.get(CONFIGURATION_PARAM)))
-            if json.loads(t.user_attrs.get(MEASUREMENT_ATTR, "{}")).get("status") == "infeasible":
-                refused.add(params.get(CONFIGURATION_PARAM))
+        refused = refused_configurations(trials)
         # the workload refuses those configurations (an infeasible trial: MaxText refuses its mesh): no more of them
         model = model.model_copy(update={"maps": [m for m in model.maps if m.configuration.summary() not in refused]})
         fits = [
@@ -183,6 +183,15 @@ class PlannerSampler(Sampler):
                 if (prediction.choices, prediction.configuration) not in tried:
                     return prediction, target, model.base.observations, model.margin
         return None
+
+
+def refused_configurations(trials: Sequence[FrozenTrial]) -> set[str]:
+    """The configurations (their parameter's labels) the workload refused in ``trials``: an
+    infeasible trial's (MaxText refuses its mesh, say), which no plan at it changes."""
+    return {
+        (t.user_attrs.get(QUEUED_ATTR) or t.params).get(CONFIGURATION_PARAM) for t in trials
+        if json.loads(t.user_attrs.get(MEASUREMENT_ATTR, "{}")).get("status") == "infeasible"
+    }
 
 
 def record_prediction(study: optuna.Study, trial: optuna.Trial) -> None:

@@ -46,6 +46,11 @@ SETTINGS_ATTR = "settings"
 """How the study's last search measured (``search.study.SETTINGS_FIELDS``): its timing, its
 ``gradient_tolerance`` (null: the check's measured threshold), …"""
 INTERRUPTED = "interrupted"
+MOVED = "moved"
+"""The failure reason of a queued plan taken at a configuration the workload had refused, and queued
+again at the next it takes (``search.admission``): counted for nothing, as an interrupted trial."""
+MOVED_TO_ATTR = "moved_to"
+"""Where a moved trial's plan was queued again: the configuration's label."""
 CONFIRMATION_ATTR = "confirmation"
 SETTLED_ATTR = "confirmation_settled"
 """What the latest confirmation raced to a confirmed answer: the budgets it settled, those where
@@ -57,4 +62,4 @@ holds that many, instead of reading and fitting every trial again (``search.cost
 ANCHOR_ATTR = "anchor_seconds"
 """The study's reference time of the anchor plan, in which its anchored step times are stated."""
 
-TrialStatus = Literal["measured", "over_budget", "failed", "infeasible", "interrupted", "running", "waiting"]
+TrialStatus = Literal["measured", "over_budget", "failed", "infeasible", "interrupted", "moved", "running", "waiting"]

@@ -39,6 +39,7 @@ from remat_search.store.attributes import (
     FAILURE_ATTR,
     HOST_ATTR,
     INTERRUPTED,
+    MOVED,
     PID_ATTR,
     QUEUED_ATTR,
     STARTED_ATTR,
@@ -176,11 +177,11 @@ def stale_callback(n_params: int):
 
 def counts(trial: FrozenTrial) -> bool:
     """Whether ``trial`` counts towards ``spec.trials``: complete, screened out (pruned), or
-    failed by the runner, with a reason. A trial that died or was interrupted does not."""
+    failed by the runner, with a reason. A trial that died, was interrupted or was moved does not."""
     if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
         return True
     reason = trial.user_attrs.get(FAILURE_ATTR)
-    return trial.state == TrialState.FAIL and reason is not None and reason != INTERRUPTED
+    return trial.state == TrialState.FAIL and reason not in (None, INTERRUPTED, MOVED)
 
 
 def finished_trials(study: optuna.Study) -> int:

@@ -14,6 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 import remat_search
+from remat_search.store.liveness import counts
 from remat_search.errors import SpecError
 from remat_search.measure.measurement import Measurement, MemoryBreakdown
 from remat_search.measure.runner import Runner
@@ -224,6 +225,22 @@ def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more
     assert all(t.status == "infeasible" for t in report.trials if t.plan.configuration.batch == 4)
     study = optuna.load_study(study_name="tiny", storage=storage_url)
     assert study.trials[2].state == TrialState.PRUNED and study.trials[2].system_attrs["constraints"] == [1.0]
+
+
+def test_presets_queued_at_a_configuration_the_workload_refuses_run_at_the_next(storage_url: str) -> None:
+    """The first configuration refused (as MaxText refuses the first mesh a user lists): the
+    first preset is refused there, and then every preset runs at the next configuration, the
+    refused one queued again; none is spent on a refusal it has already seen."""
+    report = remat_search.run(parse_spec(spec_dict(
+        storage_url, space=SPACE, configuration={"batch": [4, 2]}, trials=3, confirm={"top": 0},
+        sampler={"kind": "planner", "seed": 0}, workload={"factory": "tests.factories:refusing", "args": {"batch": 2}},
+    )))
+    seen = [(t.status, t.plan.configuration.batch, str(t.plan.layers[0])) for t in report.trials]
+    # the refused preset queued again at batch 2 behind the waiting one; that one, taken at batch 4, moved there
+    assert seen == [("infeasible", 4, "none"), ("moved", 4, "full"), ("measured", 2, "none"), ("measured", 2, "full")], seen
+    assert report.trials[1].error == "the workload refused its configuration: queued again at batch 2 · 1 device"
+    study = optuna.load_study(study_name="tiny", storage=storage_url)
+    assert report.count("moved") == 1 and [counts(t) for t in study.trials] == [True, False, True, True]
 
 
 def test_a_study_of_configurations_ranks_its_candidates_by_throughput(storage_url: str, cli: Any) -> None:

@@ -50,12 +50,6 @@ def maxtext_spec(tmp_path: Path, **overrides: object) -> dict:
     })
 
 
-def searched(tmp_path: Path, spec: dict) -> list[optuna.trial.FrozenTrial]:
-    """The spec's study, run by ``remat-search run`` (its complete trials)."""
-    _, trials = _ran(tmp_path, ("run", str(write_spec(tmp_path / "spec.yaml", spec))), spec["storage"], "mt")
-    return trials
-
-
 def commanded(tmp_path: Path, *arguments: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
     """``remat-search maxtext ARGUMENTS`` on a study ``mt`` of its own storage: what it printed, and its
     complete trials."""
@@ -65,7 +59,8 @@ def commanded(tmp_path: Path, *arguments: str) -> tuple[str, list[optuna.trial.F
 
 def _ran(tmp_path: Path, command: tuple[str, ...], storage: str, study: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
     home = tmp_path / "home"  # MaxText's base.yml keeps a JAX compilation cache in ~/jax_cache: not in a study
-    search = run_process(*command, env={"HOME": str(home)})
+    # as a user who set no XLA log level (MaxText's package sets 0 in a process that imported it: this one may have)
+    search = run_process(*command, env={"HOME": str(home), "TF_CPP_MIN_LOG_LEVEL": None})
     out = search.communicate(timeout=1200)[0]
     assert search.returncode == 0, out[-4000:]
     assert not (home / "jax_cache").exists()
@@ -149,35 +144,27 @@ def test_on_cpu_the_maxtext_command_s_peaks_are_maxtext_s_own_and_its_answer_pas
 
 @needs_maxtext
 def test_on_a_v5e_topology_each_trial_s_peak_is_train_compile_s_own_and_the_command_s_answer_pastes(tmp_path: Path) -> None:
-    """Over ``fsdp=2 × tensor=2`` the trial's peak is ``train_compile``'s own, in a spec's study and
-    in ``remat-search maxtext ... compile_topology=v5e-4 --mesh fsdp=2,tensor=2``'s, whose answer,
-    given as arguments after a config, reads back through MaxText's loader as the plan it ranked
-    first; a mesh MaxText refuses (``tensor=4`` over 2 key/value heads) is an infeasible trial with
-    MaxText's reason, never compiled, and the study goes on."""
+    """``remat-search maxtext ... compile_topology=v5e-4 --mesh tensor=4 --mesh fsdp=2,tensor=2``:
+    the first mesh is one MaxText refuses (``tensor=4`` over 2 key/value heads): the first
+    preset there is an infeasible trial with MaxText's reason, never compiled, and the presets
+    then run over the second mesh; each compiled trial's peak is ``train_compile``'s own, and
+    the answer, given as arguments after a config, reads back through MaxText's loader as the
+    plan the study ranked first."""
     two_kv = {**TINY, "base_num_kv_heads": 2}
-    spec = maxtext_spec(
-        tmp_path, target={"platform": "tpu", "topology": "v5e:2x2"}, trials=2, space={"layout": "uniform", "choices": CHOICES[1:2]},
-        workload={"kind": "maxtext", "overrides": two_kv}, sampler={"kind": "planner", "seed": 0},
-        configuration={"batch": [2], "mesh": [{"fsdp": 2, "tensor": 2}, {"tensor": 4}]},  # MaxText's ici_tensor_parallelism
-    )
-    trials = searched(tmp_path, spec)
-    every = optuna.load_study(study_name="mt", storage=spec["storage"]).trials
-    assert len(trials) == 1, [t.user_attrs for t in every]
-    # The same from MaxText's command line: its compile_topology, a mesh of its own axes, and the answer's arguments
     args = [f"{key}={value}" for key, value in two_kv.items()]
-    out, commands = commanded(tmp_path, *args, "compile_topology=v5e-4", "--mesh", "fsdp=2,tensor=2", "--batch", "2",
-                              "--trials", "2", "--format", "maxtext-args")
-    assert len(commands) == 2
-    trials += commands
+    out, trials = commanded(tmp_path, *args, "compile_topology=v5e-4", "--mesh", "tensor=4", "--mesh", "fsdp=2,tensor=2",
+                            "--batch", "2", "--trials", "3", "--format", "maxtext-args")
+    every = optuna.load_study(study_name="mt", storage=f"sqlite:///{tmp_path / 'command.db'}").trials
+    assert len(trials) == 2, [t.user_attrs for t in every]
     plans = [RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) for trial in trials]
     assert all(plan.configuration is not None and dict(plan.configuration.mesh) == {"fsdp": 2, "tensor": 2} for plan in plans)
-    distinct = list({plan.digest: plan for plan in plans}.values())  # the spec's plan is one of the command's, here
-    owns = dict(zip([plan.digest for plan in distinct], maxtexts_own([
+    assert len({plan.digest for plan in plans}) == 2
+    owns = maxtexts_own([
         {**two_kv, **maxtext(plan), "compile_topology": "v5e-4", "compile_topology_num_slices": 1, "skip_jax_distributed_system": True}
-        for plan in distinct
-    ]), strict=True))
-    for trial, plan in zip(trials, plans, strict=True):
-        assert trial.values[1] == owns[plan.digest]["peak"], (plan.summary(), trial.values, owns[plan.digest])
+        for plan in plans
+    ])
+    for trial, plan, own in zip(trials, plans, owns, strict=True):
+        assert trial.values[1] == own["peak"], (plan.summary(), trial.values, own)
     report = remat_search.load_report("mt", f"sqlite:///{tmp_path / 'command.db'}")
     first = report.best(report.budget)  # `best`'s answer at the study's budget, the chip's HBM
     assert first.plan is not None and first.time_source == "estimated"
@@ -194,6 +181,13 @@ def test_on_a_v5e_topology_each_trial_s_peak_is_train_compile_s_own_and_the_comm
     assert "divisible by 4" in measured["error"] and "\n" not in measured["error"]
     assert dict(RematPlan.from_json(refused.user_attrs[PLAN_ATTR]).configuration.mesh) == {"tensor": 4}
     assert refused.system_attrs["constraints"] == [1.0]  # the samplers see it as infeasible
+    # every other preset, taken from the queue at tensor=4, was moved (failed, counted for nothing) to fsdp=2,tensor=2
+    moved = [t for t in every if t.state == optuna.trial.TrialState.FAIL]
+    assert moved and all(t.user_attrs["failure"] == "moved" and t.user_attrs["moved_to"].endswith("fsdp=2,tensor=2")
+                         and dict(RematPlan.from_json(t.user_attrs[PLAN_ATTR]).configuration.mesh) == {"tensor": 4} for t in moved)
+    # each preset queued again there once (the refused one too): the 2 that ran, the rest waiting for a longer study
+    waiting = [t for t in every if t.state == optuna.trial.TrialState.WAITING]
+    assert len(waiting) == len(moved) + 1 - len(trials) and len(every) == 1 + len(moved) + len(trials) + len(waiting)
 
 
 @needs_maxtext
