@@ -114,6 +114,7 @@ def _tell(report: Any, next_command: str) -> None:
         f"{report.count('measured')} fit, {report.count('over_budget')} over budget (never run"
         + (f"; {screened} of them screened out by the cost model, never compiled" if screened else "") + "), "
         + (f"{report.count('infeasible')} infeasible (refused by the workload, never compiled), " if report.count("infeasible") else "")
+        + (f"{report.count('moved')} moved (presets taken at a refused configuration, queued at the next; not counted), " if report.count("moved") else "")
         + f"{report.count('failed')} failed. Next: {next_command}", soft_wrap=True,  # a command: one line
     )
 

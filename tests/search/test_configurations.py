@@ -227,14 +227,18 @@ def test_a_configuration_the_workload_refuses_is_infeasible_and_proposed_no_more
     assert study.trials[2].state == TrialState.PRUNED and study.trials[2].system_attrs["constraints"] == [1.0]
 
 
-def test_presets_queued_at_a_configuration_the_workload_refuses_run_at_the_next(storage_url: str) -> None:
+def test_presets_queued_at_a_configuration_the_workload_refuses_run_at_the_next(tmp_path: Path, storage_url: str, cli: Any) -> None:
     """The first configuration refused (as MaxText refuses the first mesh a user lists): the
     first preset is refused there, and then every preset runs at the next configuration, the
-    refused one queued again; none is spent on a refusal it has already seen."""
-    report = remat_search.run(parse_spec(spec_dict(
-        storage_url, space=SPACE, configuration={"batch": [4, 2]}, trials=3, confirm={"top": 0},
-        sampler={"kind": "planner", "seed": 0}, workload={"factory": "tests.factories:refusing", "args": {"batch": 2}},
-    )))
+    refused one queued again; none is spent on a refusal it has already seen, and `run` and
+    `show` say what moved."""
+    spec = spec_dict(storage_url, space=SPACE, configuration={"batch": [4, 2]}, trials=3, confirm={"top": 0},
+                     sampler={"kind": "planner", "seed": 0}, workload={"factory": "tests.factories:refusing", "args": {"batch": 2}})
+    ran = cli("run", str(write_spec(tmp_path / "spec.yaml", spec)))
+    assert ran.exit_code == 0 and "1 moved (presets taken at a refused configuration, queued at the next; not counted)" in ran.stdout, ran.output
+    shown = cli("show", "--study", "tiny", "--storage", storage_url)
+    assert "moved: the workload refused its configuration" in " ".join(shown.stdout.split()), shown.stdout
+    report = remat_search.load_report("tiny", storage_url)
     seen = [(t.status, t.plan.configuration.batch, str(t.plan.layers[0])) for t in report.trials]
     # the refused preset queued again at batch 2 behind the waiting one; that one, taken at batch 4, moved there
     assert seen == [("infeasible", 4, "none"), ("moved", 4, "full"), ("measured", 2, "none"), ("measured", 2, "full")], seen
