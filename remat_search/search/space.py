@@ -199,15 +199,18 @@ class Space:
         return tuple(str(params[u]) for u in self.units)
 
     def presets(self) -> list[dict[str, str]]:
-        """Trial parameters of the uniform plan of every choice, in the spec's order (at the
-        first configuration, where the space searches them).
+        """Trial parameters of a ``tensors`` space's points (``space.points``), then of the
+        uniform plan of every choice not among them, in the spec's order (at the first
+        configuration, where the space searches them).
 
         A ``nested: true`` space's flat presets carry ``layout: flat``, and one more preset
         follows them: the nested plan with no policy inside (every layer on the first choice
         that does not checkpoint), the JAX guide's recursive checkpointing. Without such a
         choice there is no nested preset.
         """
-        presets = [self.params((label,) * len(self.units)) for label in self.labels]
+        points = [self.config.point_locations(p.policy) or {} for p in self.config.points]
+        presets = [self.params(tuple(where[n] for n in self.tensor_names)) for where in points]
+        presets += [params for label in self.labels if (params := self.params((label,) * len(self.units))) not in presets]
         none = next((c.label for c in self.config.choices if not c.policy.checkpoints), None)
         if self.config.nested and none is not None:
             presets.append({**self.params((none,) * len(self.units)), LAYOUT_PARAM: "nested"})

@@ -89,6 +89,12 @@ class SpaceConfig(Frozen):
     """Also search the nested layout (the JAX guide's recursive checkpointing): one more
     parameter, ``layout``, of ``flat`` or ``nested``."""
     choices: tuple[PolicyChoice, ...] = Field(min_length=1)
+    points: tuple[PolicyChoice, ...] = ()
+    """With ``layout: tensors`` (and only then): plans of the space to measure first, before the
+    presets: today's policy, say (``{label: custom_offload, offload: [decoder_layer_input, ...]}``),
+    so the study shows it beside what the search finds. Each is a policy MaxText's ``custom``
+    form states (``full``, ``names``, ``offload``, ``per_name``) over :attr:`tensors`; every tensor
+    it neither keeps nor offloads is recomputed."""
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +158,37 @@ class SpaceConfig(Frozen):
         if duplicates:
             raise ValueError(f"labels must be unique, repeated: {duplicates}")
         return choices
+
+    @model_validator(mode="after")
+    def _points_in_the_space(self) -> SpaceConfig:
+        """Each point is a plan of this ``tensors`` space: MaxText's custom form, over its
+        tensors, at locations among its choices."""
+        if self.points and self.layout != "tensors":
+            raise ValueError(f"points: only allowed with layout: tensors, not with layout: {self.layout}")
+        for point in self.points:
+            if point.label in {p.label for p in self.points if p is not point}:
+                raise ValueError(f"points: labels must be unique, repeated: {point.label!r}")
+            located = self.point_locations(point.policy)
+            if located is None:
+                raise ValueError(f"points: {point.label!r} is no plan of a tensors space (a policy of device, "
+                                 f"offloaded and recomputed tensors: full, names, offload or per_name)")
+            outside = sorted({n for n in (*point.policy.names, *point.policy.offload) if n not in (self.tensors or ())})
+            if outside:
+                raise ValueError(f"points: {point.label!r} names {outside}, not among tensors {list(self.tensors or ())}")
+            missing = sorted(set(located.values()) - {c.label for c in self.choices})
+            if missing:
+                raise ValueError(f"points: {point.label!r} puts tensors at {missing}, which choices leave out")
+        return self
+
+    def point_locations(self, policy: LayerPolicy) -> dict[str, str] | None:
+        """Where ``policy`` puts each of :attr:`tensors` (``device``, ``offload``, ``remat``), as
+        MaxText's custom form states it; None for a policy it cannot state."""
+        form = POLICIES[policy.kind].maxtext
+        stated = form(policy) if form is not None else None
+        if not isinstance(stated, tuple):  # full: a word, every tensor recomputed
+            return None if stated is None else {n: "remat" for n in self.tensors or ()}
+        device, offload = stated
+        return {n: "device" if n in device else "offload" if n in offload else "remat" for n in self.tensors or ()}
 
     def policy(self, label: str) -> LayerPolicy:
         """The policy of the choice labelled ``label``."""

@@ -54,6 +54,14 @@ def test_each_tensor_s_location_is_a_parameter_and_the_plan_is_maxtext_s_custom_
      "spec.space: tensors: only allowed with layout: tensors, not with layout: per_layer"),
     ({"layout": "tensors", "tensors": ["context"], "nested": True},
      "spec.space: nested: a layout: tensors plan is one policy for every layer, never nested"),
+    ({"layout": "per_layer", "choices": ["full"], "points": ["full"]},
+     "spec.space: points: only allowed with layout: tensors, not with layout: per_layer"),
+    ({"layout": "tensors", "tensors": ["context"], "points": ["dots"]}, "spec.space: points: 'dots' is no plan of a tensors "
+     "space (a policy of device, offloaded and recomputed tensors: full, names, offload or per_name)"),
+    ({"layout": "tensors", "tensors": ["context"], "points": [{"label": "mine", "names": ["mlpwo"]}]},
+     "spec.space: points: 'mine' names ['mlpwo'], not among tensors ['context']"),
+    ({"layout": "tensors", "tensors": ["context"], "choices": ["device", "remat"], "points": [{"label": "off", "offload": ["context"]}]},
+     "spec.space: points: 'off' puts tensors at ['offload'], which choices leave out"),
 ])
 def test_a_bad_tensors_space_is_one_line_naming_the_field(space: dict, said: str, storage_url: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -69,17 +77,20 @@ def test_a_name_the_model_never_tags_is_refused_before_anything_is_written(tmp_p
 
 def test_a_cpu_study_places_each_tensor_and_weighs_the_prior_by_the_tensor_s_bytes(storage_url: str) -> None:
     """On the CPU (no host memory): device or remat for each of three tensors, the planner
-    proposing after the two presets; every trial's plan is the one its parameters say, and the
-    study keeps the traced bytes its cost model weighs the tensors by (``mlpwi`` is d_ff wide,
-    four times ``context`` and ``out_proj``)."""
+    proposing after the point the spec names (today's policy, say: ``mlpwi`` kept) and the two
+    presets; every trial's plan is the one its parameters say, and the study keeps the traced
+    bytes its cost model weighs the tensors by (``mlpwi`` is d_ff wide, four times ``context``
+    and ``out_proj``)."""
     report = remat_search.run(parse_spec(spec_dict(
-        storage_url, space={"layout": "tensors", "tensors": TENSORS, "choices": ["device", "remat"]}, trials=5,
-        sampler={"kind": "planner", "seed": 0}, confirm={"top": 0},
+        storage_url, space={"layout": "tensors", "tensors": TENSORS, "choices": ["device", "remat"],
+                            "points": [{"label": "keep_mlpwi", "names": ["mlpwi"]}]},
+        trials=5, sampler={"kind": "planner", "seed": 0}, confirm={"top": 0},
     )))
     study = optuna.load_study(study_name="tiny", storage=storage_url)
     space = Space.of(SpaceConfig.model_validate(study.user_attrs["space"]), TINY_TRANSFORMER["layers"])
     trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-    assert len(trials) == 5 and [t.params for t in trials[:2]] == space.presets()
+    assert len(trials) == 5 and [t.params for t in trials[:3]] == space.presets()
+    assert [str(report.trials[i].plan.layers[0]) for i in range(3)] == ["per_name(mlpwi)", "per_name(context,mlpwi,out_proj)", "full"]
     for trial in trials:
         assert RematPlan.from_json(trial.user_attrs[PLAN_ATTR]) == space.plan(trial.params)
     sizes = study.user_attrs["device_info"]["traced_bytes"]
