@@ -47,7 +47,8 @@ def maxtext_study(
     ``tensors``: search MaxText's whole ``remat_policy: custom`` space instead of its presets,
     each of these tensor names (empty: :data:`DENSE_TENSORS`) on the device, recomputed or, on
     a TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
-    :data:`TENSOR_TRIALS` candidates by default."""
+    :data:`TENSOR_TRIALS` candidates by default; the config's own policy first, where the space
+    states it (:func:`config_point`)."""
     from remat_search.plans.export import MAXTEXT_PRESETS, PINNED
 
     keys = list(arguments)
@@ -102,6 +103,9 @@ def maxtext_study(
     try:
         spec = parse_spec(data)
         read = maxtext_config(spec.workload)  # type: ignore[arg-type]  # MaxText's refusal, before anything is written
+        if tensors is not None and (point := config_point(read, space)) is not None:
+            data["space"] = {**space, "points": [point]}  # the user's own policy, measured first
+            spec = parse_spec(data)
         if batches or meshes:
             if batches:
                 configuration: dict[str, Any] = {"batch": list(batches), "mesh": mesh}
@@ -116,6 +120,31 @@ def maxtext_study(
     except SpecError as e:
         raise as_flags(e) from None
     return spec
+
+
+def config_point(read: Any, space: dict[str, Any]) -> dict[str, Any] | None:
+    """The remat policy of MaxText's config ``read`` as a point of the ``tensors`` ``space``
+    (``space.points``: the study measures it first, so the answer is set against it): a
+    ``custom`` policy, or a preset that saves names (``plans.export.MAXTEXT_PRESETS``). None where
+    the space cannot state it (``full`` is a preset of the space already; a tensor kept or
+    offloaded outside the space's names, or offloaded where it has no host memory; ``minimal``)."""
+    from remat_search.plans.export import MAXTEXT_NAMES, MAXTEXT_PRESETS, PINNED
+
+    policy = str(read.remat_policy)
+    if policy == "custom":
+        where = {name: str(getattr(read, name, "remat")).split(".")[-1].lower() for name in MAXTEXT_NAMES}
+    elif MAXTEXT_PRESETS.get(policy) is not None:
+        where = {name: "device" if name in MAXTEXT_PRESETS[policy] else "remat" for name in MAXTEXT_NAMES}
+    else:
+        return None
+    outside = {name for name, at in where.items() if name not in space["tensors"] and at != "remat"}
+    if outside - {PINNED} or where.get(PINNED) == "offload" and PINNED not in space["tensors"]:
+        return None
+    inside = {name: where[name] for name in space["tensors"]}
+    if set(inside.values()) - {c if isinstance(c, str) else c["label"] for c in space["choices"]}:
+        return None
+    return {"label": f"config_{policy}", "per_name": {
+        "device": [n for n, at in inside.items() if at == "device"], "offload": [n for n, at in inside.items() if at == "offload"]}}
 
 
 _FLAGS = {

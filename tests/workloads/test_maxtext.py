@@ -237,6 +237,30 @@ def test_meshes_without_batch_keep_the_config_s_global_batch_on_a_topology(meshe
         assert settings["per_device_batch_size"] * 4 * settings["gradient_accumulation_steps"] == 4, settings
 
 
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+@pytest.mark.parametrize(("settings", "point"), [
+    (["remat_policy=custom", "query_proj=offload", "out_proj=device"], "per_name(decoder_layer_input,out_proj; offload query_proj)"),
+    (["remat_policy=save_qkv_proj"], "per_name(key_proj,query_proj,value_proj)"),
+    (["remat_policy=full"], None),  # every tensor recomputed: a preset of the space already
+    (["remat_policy=custom", "context=device"], None),  # a tensor kept outside the space's names
+    (["remat_policy=custom", "query_proj=offload", "local"], None),  # offloaded where there is no host memory
+])
+def test_with_space_tensors_the_config_s_own_policy_is_measured_first(settings: list[str], point: str | None) -> None:
+    """``remat-search maxtext ... --space tensors``: the config's own remat policy, as MaxText's
+    loader reads it, is the space's first point, so the study sets its answer against it; none
+    where the space cannot state it."""
+    from remat_search.search.space import Space
+    from remat_search.spec.maxtext_study import maxtext_study
+
+    topology = [] if "local" in settings else ["compile_topology=v5e-4"]
+    spec = maxtext_study([*TINY_ARGS, *[s for s in settings if s != "local"], *topology], budget="1GiB", tensors=[])
+    assert [str(p.policy) for p in spec.space.points] == ([point] if point else [])
+    if point:
+        first = Space.of(spec.space, 2).presets()[0]
+        assert str(Space.of(spec.space, 2).plan(first).layers[0]) == point
+
+
 REFUSED = [
     ({"overrides": {**TINY, "bogus_key": 1}}, "'bogus_key' not in 'emb_dim'"),
     ({"overrides": {**TINY, "base_emb_dim": "wide"}}, "base_emb_dim: Input should be a valid integer"),
