@@ -122,13 +122,13 @@ def row(run: Run, report: StudyReport, minutes: float) -> str:
 def page(rows: list[str], command: str) -> str:
     return "\n".join([
         "# Published MaxText runs, searched over MaxText's per-tensor space", "",
-        f"Command: `{command}`. {__doc__.split(chr(10) + chr(10), 2)[2].strip()}", "",
+        f"Command: `{command}`. " + " ".join(__doc__.split(chr(10) + chr(10), 2)[2].replace("``", "`").split()), "",
         "Throughput is estimated tokens/s per chip at the run's calibration; the band is the published "
         "configuration's (published step / estimate, its model family left out). Candidates: trials "
-        "(those screened out over the budget by the cost model and those MaxText refused among them); compiled: "
-        "those the compiler compiled. Wall: minutes of this 2-core machine, summed over the sittings.", "",
+        "(those screened out over the budget by the cost model and those MaxText refused among them); compiles: "
+        "those handed to the TPU compiler, its out-of-memory refusals included. Wall: minutes of this 2-core machine, summed over the sittings.", "",
         "| run | published config, est. tokens/s | best found | its peak | its est. tokens/s | gain | band | verdict | "
-        "candidates | compiled | wall |",
+        "candidates | compiles | wall |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ])
