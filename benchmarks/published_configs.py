@@ -329,14 +329,17 @@ def status(trial: TrialResult, report: StudyReport) -> str:
     return trial.status + (" (re-read)" if (report.study, trial.number) in RE_READ else "")
 
 
+def at_published_configuration(run: Run, trial: TrialResult) -> bool:
+    """Whether ``trial`` runs at the published batch and mesh, in one step, with no memory knob set."""
+    c = trial.plan.configuration if trial.plan else None
+    return c is not None and dict(c.mesh) == run.mesh and c.batch == batch(run) and c.accumulation == 1 \
+        and not any(v for _, v in c.settings)
+
+
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
     """The trial of the published configuration: the published policy at the first configuration."""
-    for t in report.trials:
-        c = t.plan.configuration if t.plan else None
-        if c is not None and dict(c.mesh) == run.mesh and c.batch == batch(run) and c.accumulation == 1 \
-                and not any(v for _, v in c.settings) and t.labels and set(t.labels) == {label(run.choices[0])}:
-            return t
-    return None
+    return next((t for t in report.trials if at_published_configuration(run, t)
+                 and t.labels and set(t.labels) == {label(run.choices[0])}), None)
 
 
 GROUPS = {"v5": ("v5e", "v5p"), "v6e": ("v6e",)}

@@ -36,7 +36,7 @@ import remat_search
 from remat_search.report.results import StudyReport, TrialResult, rank
 from remat_search.units import format_bytes
 
-from published_configs import QKV, RUNS, Run, batch, group, label, search  # benchmarks/ is the script's folder
+from published_configs import QKV, RUNS, Run, at_published_configuration, group, label, search  # benchmarks/ is the script's folder
 
 HERE = Path(__file__).resolve().parent
 DB = HERE / "results" / "studies" / "published_tensors.db"
@@ -82,12 +82,9 @@ def tensor_study(run: Run, storage: str, trials: int) -> StudyReport:
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
-    """The published configuration's trial: the first point at the published batch and mesh."""
-    for t in report.trials:
-        c = t.plan.configuration if t.plan else None
-        if t.number == 0 and c is not None and dict(c.mesh) == run.mesh and c.batch == batch(run) and c.accumulation == 1:
-            return t
-    return None
+    """The published configuration's trial: the first candidate (the published point), at the published batch and mesh."""
+    first = next((t for t in report.trials if t.number == 0), None)
+    return first if first is not None and at_published_configuration(run, first) else None
 
 
 def verdict(best: TrialResult, pub: TrialResult) -> str:
@@ -97,9 +94,9 @@ def verdict(best: TrialResult, pub: TrialResult) -> str:
         return "— (no band)"
     if best.number == pub.number or best.seconds >= pub.seconds:  # type: ignore[operator]
         return "the published configuration is the fastest found"
-    beyond = ours.seconds * ours.band[1] < theirs.seconds * theirs.band[0]
     if ours.outside:
         return f"unconfirmed ({ours.outside})"
+    beyond = ours.seconds * ours.band[1] < theirs.seconds * theirs.band[0]
     return "**beaten**" if beyond else "not beaten (within the bands)"
 
 

@@ -141,7 +141,7 @@ def config_point(read: Any, space: dict[str, Any]) -> dict[str, Any] | None:
     if outside - {PINNED} or where.get(PINNED) == "offload" and PINNED not in space["tensors"]:
         return None
     inside = {name: where[name] for name in space["tensors"]}
-    if set(inside.values()) - {c if isinstance(c, str) else c["label"] for c in space["choices"]}:
+    if set(inside.values()) - set(space["choices"]):  # the locations maxtext_study gave the space
         return None
     return {"label": f"config_{policy}", "per_name": {
         "device": [n for n, at in inside.items() if at == "device"], "offload": [n for n, at in inside.items() if at == "offload"]}}
