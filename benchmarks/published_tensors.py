@@ -100,13 +100,20 @@ def verdict(best: TrialResult, pub: TrialResult) -> str:
     return "**beaten**" if beyond else "not beaten (within the bands)"
 
 
-def row(run: Run, report: StudyReport, minutes: float) -> str:
-    pub = published_trial(run, report)
+def best_and_counts(report: StudyReport) -> tuple[TrialResult | None, int, int]:
+    """The study's fastest fitting trial, its candidates, and the compiles the TPU compiler was handed
+    (its out-of-memory refusals among them; not those the cost model screened out over the budget)."""
     timed = report.timed()
     best = min(timed, key=rank) if timed else None
     candidates = sum(1 for t in report.trials if t.status in ("measured", "over_budget", "failed", "infeasible"))
     compiled = sum(1 for t in report.trials if t.status in ("measured", "over_budget") and t.measurement is not None
-                   and t.measurement.screened_bytes is None)  # screened out: predicted over, never compiled
+                   and t.measurement.screened_bytes is None)
+    return best, candidates, compiled
+
+
+def row(run: Run, report: StudyReport, minutes: float) -> str:
+    pub = published_trial(run, report)
+    best, candidates, compiled = best_and_counts(report)
     if pub is None or best is None or pub.throughput is None or best.throughput is None:
         return f"| {run.name} | — | — | — | — | — | — | — | {candidates} | {compiled} | {minutes:.0f} min |"
     band = pub.measurement.estimate.band if pub.measurement and pub.measurement.estimate else None  # type: ignore[union-attr]

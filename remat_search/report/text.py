@@ -316,10 +316,12 @@ def describe_trial(t: TrialResult, device: dict[str, Any] | None = None, toleran
     lines = [f"trial {t.number}: {t.status}" + (f" (reuses trial {t.reused_from})" if t.reused_from is not None else "")]
     if t.plan:
         labels = t.labels if len(t.labels) == len(t.plan.layers) else [""] * len(t.plan.layers)
-        lines += [
-            f"  layer {i:2d}: {label + ' = ' if label and label != str(p) else ''}{p}"
-            for i, (label, p) in enumerate(zip(labels, t.plan.layers, strict=True))
-        ]
+        layers = [f"{label + ' = ' if label and label != str(p) else ''}{p}" for label, p in zip(labels, t.plan.layers, strict=True)]
+        first = 0  # a run of layers with one policy (a scanned model's: all of them) in one line
+        for i, shown in enumerate(layers):
+            if i + 1 == len(layers) or layers[i + 1] != shown:
+                lines.append(f"  layer {i:2d}: {shown}" if first == i else f"  layers {first:2d}–{i}: {shown}")
+                first = i + 1
         lines.append(f"  plan digest: {t.plan.digest}")
     m = t.measurement
     if m and m.memory:

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 """Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
 its delta halfway from the prior."""
+UNINFORMED = 1e-4
+"""The ridge's share left on a choice with no prior (its preset never compiled): enough to keep
+the solve defined, too little to hold the delta from what the data show."""
 MIN_CALIBRATION = 3
 """Measured mixed plans the model's error must be known from before it may screen a plan out."""
 
@@ -89,7 +92,8 @@ class CostModel(BaseModel):
 
     units: tuple[str, ...]
     labels: tuple[str, ...]
-    """The choices the model can price (those whose uniform preset was compiled)."""
+    """The choices the model can price (those whose uniform preset has a peak: compiled, or
+    refused by the TPU compiler with the bytes it needed); the first is the base."""
     base_peak: float
     base_seconds: float
     peak: Array
@@ -160,26 +164,29 @@ def fit_cost_model(
 ) -> CostModel | None:
     """Fit the model, or None while the study cannot price at least two choices yet.
 
-    A choice is priced once its uniform preset has a compiled peak and FLOP count; time
-    needs at least one plan that ran. ``weights``: each unit's share of a preset's saving and
-    extra time in the prior (a ``tensors`` space's, by each tensor's bytes), in place of the
-    shares its layers give.
+    A choice is priced once its uniform preset has a peak (the TPU compiler's refusal gives one,
+    with no FLOP count: then its time is fitted from the plans holding it alone); time needs at
+    least one plan that ran and one preset with a FLOP count. ``weights``: each unit's share of
+    a preset's saving and extra time in the prior (a ``tensors`` space's, by each tensor's
+    bytes), in place of the shares its layers give.
     """
     n_units = len(unit_layers)
     presets: dict[str, list[Observation]] = {}
     for o in observations:
         if len(set(o.choices)) == 1 and len(o.choices) == n_units:
             presets.setdefault(o.choices[0], []).append(o)
-    usable = [
-        label for label in labels
-        if any(o.peak is not None for o in presets.get(label, ())) and any(o.flops is not None for o in presets.get(label, ()))
-    ]
+    usable = [label for label in labels if any(o.peak is not None for o in presets.get(label, ()))]
+    # A preset the TPU compiler refused (out of HBM) has its peak, from the compiler's refusal,
+    # and no program: no FLOPs and no step. Its choice is priced all the same, its time from
+    # the plans that hold it alone (a published policy keeping some names on the device).
+    compiled = [label for label in usable if any(o.flops is not None for o in presets[label])]
     timed = [o for o in observations if o.seconds is not None and o.flops is not None]
-    if len(usable) < 2 or not timed:
+    if len(usable) < 2 or not compiled or not timed:
         return None
+    ref = compiled[0]
+    usable = [ref, *(label for label in usable if label != ref)]
     preset_peak = {label: _mean(o.peak for o in presets[label]) for label in usable}
-    preset_flops = {label: _mean(o.flops for o in presets[label]) for label in usable}
-    ref = usable[0]
+    preset_flops = {label: _mean(o.flops for o in presets[label]) for label in compiled}
 
     # Where a choice's saving lands: layers before the last; its extra work: every layer.
     before_last = [sum(1 for i in ls if i < layers - 1) / max(layers - 1, 1) for ls in unit_layers]
@@ -199,13 +206,17 @@ def fit_cost_model(
         slope = float(y.mean() / np.mean([o.flops for o in timed]))
         intercept = slope * preset_flops[ref]
 
-    # A choice's extra time: its preset's measured step where it ran; else (a preset over
-    # budget never runs) its extra FLOPs at those seconds per FLOP.
-    preset_seconds = {
-        label: _mean(ran) if (ran := [o.seconds for o in presets[label] if o.seconds is not None])
-        else float(intercept + slope * (preset_flops[label] - preset_flops[ref]))
-        for label in usable
-    }
+    def preset_time(label: str) -> float:
+        """A choice's time: its preset's measured step where it ran; else (a preset over budget
+        never runs) its extra FLOPs at those seconds per FLOP; else (never compiled) the
+        reference's, the data's alone to correct."""
+        if ran := [o.seconds for o in presets[label] if o.seconds is not None]:
+            return _mean(ran)
+        if label in preset_flops:
+            return float(intercept + slope * (preset_flops[label] - preset_flops[ref]))
+        return preset_time(ref)
+
+    preset_seconds = {label: preset_time(label) for label in usable}
     time_prior = np.array([[(preset_seconds[label] - preset_seconds[ref]) * w for label in usable] for w in share])
 
     index = {label: k for k, label in enumerate(usable)}
@@ -214,6 +225,7 @@ def fit_cost_model(
     peak, peak_loo = _ridge([(o.choices, o.peak) for o in with_peak], index, preset_peak[ref], peak_prior, ridge)
     seconds, _ = _ridge(
         [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, preset_seconds[ref], time_prior, ridge,
+        uninformed=[index[label] for label in usable if label not in preset_flops],
     )
     # Calibration: how far the model misses a mixed plan's peak it was not fitted to.
     held_out = [(o.peak, loo) for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
@@ -227,18 +239,20 @@ def fit_cost_model(
 
 def _ridge(
     data: list[tuple[tuple[str, ...], float]], index: Mapping[str, int], base: float, prior: np.ndarray,
-    ridge: float | None,
+    ridge: float | None, uninformed: Sequence[int] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Deltas ``prior + w``, ``w`` minimising ‖residual − Xw‖² + ridge·‖w‖² (w = 0 on the base
     choice), and each row's leave-one-out prediction.
 
     ``ridge=None`` picks it from :data:`RIDGES` by leave-one-out error: large where the
-    prior already explains the data, small where the data show what it misses.
+    prior already explains the data, small where the data show what it misses. The choices
+    ``uninformed`` (their indices) have no prior to hold them: :data:`UNINFORMED` in its place.
     """
     n_units, n_labels = prior.shape
     if not data:
         return prior, np.zeros(0)
     free = [u * n_labels + k for u in range(n_units) for k in range(1, n_labels)]
+    held = np.array([UNINFORMED if k in uninformed else 1.0 for u in range(n_units) for k in range(1, n_labels)])
     X = np.zeros((len(data), n_units * n_labels))
     residual = np.zeros(len(data))
     for row, (choices, value) in enumerate(data):
@@ -251,13 +265,13 @@ def _ridge(
     def loo_residuals(lam: float) -> np.ndarray:
         # The hat matrix X·A⁻¹·Xᵀ only by its diagonal and its product with the residual: never
         # n × n, so that fitting stays linear in the observations (a study of 10,000 plans).
-        w = np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
+        w = np.linalg.solve(X.T @ X + lam * np.diag(held), X.T)
         hat_diag = np.einsum("ij,ji->i", X, w)
         return (residual - X @ (w @ residual)) / np.maximum(1.0 - hat_diag, 1e-9)
 
     lam = ridge if ridge is not None else min(RIDGES, key=lambda r: float(np.mean(loo_residuals(r) ** 2)))
     deltas = prior.copy().reshape(-1)
-    deltas[free] += np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T @ residual)
+    deltas[free] += np.linalg.solve(X.T @ X + lam * np.diag(held), X.T @ residual)
     values = np.array([value for _, value in data])
     return deltas.reshape(n_units, n_labels), values - loo_residuals(lam)
 

@@ -164,6 +164,27 @@ def test_time_prior_is_the_presets_measured_step_where_they_ran() -> None:
     assert model.predict(("full", "full", "dots", "dots")).seconds == pytest.approx(1.2)
 
 
+def test_a_preset_the_compiler_refused_is_priced_from_the_plans_that_hold_its_choice() -> None:
+    """On a TPU the device preset of a big model is refused at compile time (its peak from the
+    refusal, no FLOPs, no step), while a published policy keeping names on the device runs fastest:
+    the model prices `device` from that plan alone (no prior holds it back), where it once left
+    `device` out and proposed only recomputing and offloading plans."""
+    kwargs = {"labels": ("device", "remat", "offload"), "unit_layers": [[0, 1, 2, 3]] * 4,
+              "units": ["a", "b", "c", "d"], "layers": 4, "weights": [0.25] * 4}
+    presets = [Observation(choices=("device",) * 4, peak=120.0),  # refused by the compiler
+               Observation(choices=("remat",) * 4, peak=40.0, flops=140.0, seconds=1.2),
+               Observation(choices=("offload",) * 4, peak=35.0, flops=140.0, seconds=1.8)]
+    published = Observation(choices=("device", "device", "remat", "remat"), peak=80.0, flops=120.0, seconds=1.0)
+    assert fit_cost_model(presets, **kwargs).labels == ("remat", "device", "offload")  # the refused peak prices memory
+    model = fit_cost_model([*presets, published], **kwargs)
+    assert model.predict(published.choices).seconds == pytest.approx(1.0, abs=1e-3)
+    assert model.predict(published.choices).peak == pytest.approx(80.0)
+    best = model.best(100.0)
+    assert best.seconds == pytest.approx(1.0, abs=1e-3) and best.choices.count("device") >= 2
+    refused = [presets[0], Observation(choices=("remat",) * 4, peak=40.0)]
+    assert fit_cost_model([*refused, published], **kwargs) is None  # no preset with a FLOP count to price time by
+
+
 def test_calibration_margin_keeps_proposals_under_the_budget() -> None:
     """Mixed plans cost more than any additive model says (here +8 each): once the study has
     seen that, the model's best plan for a budget fits it in truth, not just in prediction."""

@@ -168,7 +168,11 @@ def test_reports_from_the_cli(finished, cli, tmp_path: Path) -> None:  # type: i
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
     assert "tiny" in cli("studies", "--storage", storage).stdout
     shown = cli("show", "--study", "tiny", "--trial", "1", "--storage", storage).stdout
-    assert "layer  0: full" in shown and "peak" in shown
+    assert "layers  0–1: full" in shown and "layer " not in shown and "peak" in shown  # a run of one policy: one line
+    mixed = [t for t in report.trials if t.plan and len({str(p) for p in t.plan.layers}) > 1]
+    assert mixed, "the planner's plans differ by layer"
+    shown = cli("show", "--study", "tiny", "--trial", str(mixed[0].number), "--storage", storage).stdout
+    assert "layer  0: " in shown and "layer  1: " in shown and "layers " not in shown
 
 
 def test_rerunning_a_finished_study_measures_nothing_more(finished, cli) -> None:  # type: ignore[no-untyped-def]
