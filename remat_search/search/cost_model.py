@@ -289,10 +289,12 @@ def observations(trials: Iterable[tuple[TrialResult, Mapping[str, object]]], spa
     for result, params in trials:
         m = result.measurement
         choices = space.choices(params)  # the model prices flat plans
-        if m is None or m.memory is None or result.plan is None or choices is None:
+        # a compile the TPU compiler refused (out of HBM) has no memory analysis; the bytes it
+        # needed (its refusal's) are the plan's peak all the same
+        if m is None or m.peak_bytes is None or result.plan is None or choices is None:
             continue
         seen.setdefault(result.plan.digest, Observation(
-            choices=choices, peak=m.memory.peak, flops=m.flops,
+            choices=choices, peak=m.peak_bytes, flops=m.flops,
             # a plan over the budget never runs; on a target where steps are estimated, its
             # estimate was made all the same, and prices its choices as any other's does
             seconds=m.step_seconds if m.status == "measured" else m.estimated_seconds,

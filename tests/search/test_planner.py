@@ -185,6 +185,38 @@ def test_a_preset_the_compiler_refused_is_priced_from_the_plans_that_hold_its_ch
     assert fit_cost_model([*refused, published], **kwargs) is None  # no preset with a FLOP count to price time by
 
 
+def test_a_compile_the_tpu_compiler_refused_is_observed_at_the_bytes_it_needed() -> None:
+    """A refused compile has no memory analysis, only the bytes the compiler needed (its
+    out-of-memory message): the study's observations read them as the preset's peak, so the
+    model prices that choice (v5p's `device` preset: the planner once proposed no plan keeping a
+    name on the device)."""
+    from remat_search.measure.measurement import MemoryBreakdown, Measurement
+    from remat_search.report.results import TrialResult
+    from remat_search.search.cost_model import cost_model, observations
+    from remat_search.search.space import Space
+    from remat_search.spec.space import SpaceConfig
+
+    space = Space.of(SpaceConfig(layout="per_layer", choices=["none", "full"]), 2)
+
+    def trial(number: int, choices: tuple[str, ...], m: dict[str, object]) -> tuple[TrialResult, dict[str, object]]:
+        params = space.params(choices)
+        plan = space.plan(params)
+        measurement = Measurement(plan_digest=plan.digest, **m)  # type: ignore[arg-type]
+        return TrialResult(number=number, status=measurement.status, plan=plan, measurement=measurement), params
+
+    memory = MemoryBreakdown(argument=100, output=0, alias=0, temp=300, generated_code=0)
+    trials = [
+        trial(0, ("none", "none"), {"status": "over_budget", "oom_required_bytes": 900, "oom_available_bytes": 500}),
+        trial(1, ("full", "full"), {"status": "measured", "memory": memory, "flops": 140.0, "estimated_seconds": 1.2}),
+        trial(2, ("none", "full"), {"status": "measured", "memory": memory.model_copy(update={"temp": 500}),
+                                    "flops": 120.0, "estimated_seconds": 1.0}),
+    ]
+    assert [o.peak for o in observations(trials, space)] == [900, 400, 600]
+    model = cost_model(trials, space)
+    assert model is not None and set(model.labels) == {"none", "full"}
+    assert model.predict(("none", "full")).seconds == pytest.approx(1.0, abs=1e-3)
+
+
 def test_calibration_margin_keeps_proposals_under_the_budget() -> None:
     """Mixed plans cost more than any additive model says (here +8 each): once the study has
     seen that, the model's best plan for a budget fits it in truth, not just in prediction."""
