@@ -185,7 +185,7 @@ def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
         "Where ours is not at least as fast with as few compiles:", "", *(shortfalls or ["- nowhere."]), "",
         "Why it compiles more: a study compiles the published policy first, then the three presets (every tensor "
         "on the device, recomputed, offloaded), then the planner's proposals over batch, accumulation and mesh, to "
-        "its count of candidates (12); the estimator stops at its first policy that fits, at the batch and mesh it "
+        "its count of candidates (12 or more); the estimator stops at its first policy that fits, at the batch and mesh it "
         "was given, and never learns how fast that policy is. A fitting policy is not a fast one: where the "
         "estimator keeps every tensor it can on the device next to the HBM's edge, the compiled program recomputes "
         "and waits on its collectives more (v5p-32b: 3.07 s of collectives waited for, against 0.41 s for the "
