@@ -28,16 +28,14 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import optuna
+from published_configs import SYNTHETIC, Run, batch, search  # benchmarks/ is the script's folder
+from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, searched, tensors
 
 import remat_search
 from remat_search.report.results import StudyReport, TrialResult
-
-from published_configs import SYNTHETIC, Run, batch, search  # benchmarks/ is the script's folder
-from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, searched, tensors
 
 KEPT = HERE / "results" / "maxtext_estimator.json"
 PAGE = HERE / "results" / "maxtext_estimator.md"
@@ -173,17 +171,17 @@ def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
         "# MaxText's own estimator beside remat-search, on the published runs", "",
         "Command: `python benchmarks/maxtext_estimator.py`. "
         + " ".join(__doc__.split(chr(10) + chr(10), 2)[2].replace("``", "`").split()), "",
-        "Est. tokens/s per chip at the run's calibration (the same for both). Ours: the best of the run's "
+        ("Est. tokens/s per chip at the run's calibration (the same for both). Ours: the best of the run's "
         "per-tensor study (`published_tensors.md`), which may change batch, accumulation and mesh; its compiles "
         "count those handed to the TPU compiler, its out-of-memory refusals included, and so do the estimator's. "
-        "A difference inside the calibration's band (its width, high / low) is not a win either way.", "",
-        "| run | published config, est. tokens/s | estimator's answer | its compiles | its wall | its est. tokens/s | ours | "
-        "our est. tokens/s | our compiles (found at the k-th) | ours vs its |",
+        "A difference inside the calibration's band (its width, high / low) is not a win either way."), "",
+        ("| run | published config, est. tokens/s | estimator's answer | its compiles | its wall | its est. tokens/s | ours | "
+         "our est. tokens/s | our compiles (found at the k-th) | ours vs its |"),
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
         *([f"Not run yet: {', '.join(missing)}."] if missing else []), "",
         "Where ours is not at least as fast with as few compiles:", "", *(shortfalls or ["- nowhere."]), "",
-        "Why it compiles more: a study compiles the published policy first, then the three presets (every tensor "
+        ("Why it compiles more: a study compiles the published policy first, then the three presets (every tensor "
         "on the device, recomputed, offloaded), then the planner's proposals over batch, accumulation and mesh, to "
         "its count of candidates (12 or more); the estimator stops at its first policy that fits, at the batch and mesh it "
         "was given, and never learns how fast that policy is. A fitting policy is not a fast one: where the "
@@ -191,7 +189,7 @@ def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
         "and waits on its collectives more (v5p-32b: 3.07 s of collectives waited for, against 0.41 s for the "
         "published `minimal`, by `show --trial`), and where it offloads, the host link is priced in. Every "
         "offloading estimate on this page is outside the calibration's samples (no v5 sample offloads): "
-        "the comparison there rests on the model's pricing of the host link alone.", "",
+        "the comparison there rests on the model's pricing of the host link alone."), "",
     ])
 
 

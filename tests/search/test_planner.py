@@ -190,7 +190,7 @@ def test_a_compile_the_tpu_compiler_refused_is_observed_at_the_bytes_it_needed()
     out-of-memory message): the study's observations read them as the preset's peak, so the
     model prices that choice (v5p's `device` preset: the planner once proposed no plan keeping a
     name on the device)."""
-    from remat_search.measure.measurement import MemoryBreakdown, Measurement
+    from remat_search.measure.measurement import Measurement, MemoryBreakdown
     from remat_search.report.results import TrialResult
     from remat_search.search.cost_model import cost_model, observations
     from remat_search.search.space import Space
