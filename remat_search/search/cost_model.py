@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 """Candidate ridge strengths: how many observations of one (unit, choice) it takes to move
 its delta halfway from the prior."""
-UNINFORMED = 1e-4
-"""The ridge's share left on a choice with no prior (its preset never compiled): enough to keep
-the solve defined, too little to hold the delta from what the data show."""
 MIN_CALIBRATION = 3
 """Measured mixed plans the model's error must be known from before it may screen a plan out."""
 
@@ -165,8 +162,8 @@ def fit_cost_model(
     """Fit the model, or None while the study cannot price at least two choices yet.
 
     A choice is priced once its uniform preset has a peak (the TPU compiler's refusal gives one,
-    with no FLOP count: then its time is fitted from the plans holding it alone); time needs at
-    least one plan that ran and one preset with a FLOP count. ``weights``: each unit's share of
+    with no FLOP count: then its time prior comes from the plans holding it, :func:`_pooled`);
+    time needs at least one plan that ran and one preset with a FLOP count. ``weights``: each unit's share of
     a preset's saving and extra time in the prior (a ``tensors`` space's, by each tensor's
     bytes), in place of the shares its layers give.
     """
@@ -178,7 +175,7 @@ def fit_cost_model(
     usable = [label for label in labels if any(o.peak is not None for o in presets.get(label, ()))]
     # A preset the TPU compiler refused (out of HBM) has its peak, from the compiler's refusal,
     # and no program: no FLOPs and no step. Its choice is priced all the same, its time from
-    # the plans that hold it alone (a published policy keeping some names on the device).
+    # the plans that hold it (a published policy keeping some names on the device).
     compiled = [label for label in usable if any(o.flops is not None for o in presets[label])]
     timed = [o for o in observations if o.seconds is not None and o.flops is not None]
     if len(usable) < 2 or not compiled or not timed:
@@ -209,7 +206,7 @@ def fit_cost_model(
     def preset_time(label: str) -> float:
         """A choice's time: its preset's measured step where it ran; else (a preset over budget
         never runs) its extra FLOPs at those seconds per FLOP; else (never compiled) the
-        reference's, the data's alone to correct."""
+        reference's, until :func:`_pooled` reads it from the plans holding it."""
         if ran := [o.seconds for o in presets[label] if o.seconds is not None]:
             return _mean(ran)
         if label in preset_flops:
@@ -221,12 +218,13 @@ def fit_cost_model(
 
     index = {label: k for k, label in enumerate(usable)}
     priced = [o for o in observations if all(c in index for c in o.choices) and len(o.choices) == n_units]
+    timed_plans = [(o.choices, o.seconds) for o in priced if o.seconds is not None]
+    for label in usable:
+        if label not in preset_flops:
+            time_prior[:, index[label]] = _pooled(label, timed_plans, index, preset_seconds[ref], time_prior, share)
     with_peak = [o for o in priced if o.peak is not None]
     peak, peak_loo = _ridge([(o.choices, o.peak) for o in with_peak], index, preset_peak[ref], peak_prior, ridge)
-    seconds, _ = _ridge(
-        [(o.choices, o.seconds) for o in priced if o.seconds is not None], index, preset_seconds[ref], time_prior, ridge,
-        uninformed=[index[label] for label in usable if label not in preset_flops],
-    )
+    seconds, _ = _ridge(timed_plans, index, preset_seconds[ref], time_prior, ridge)
     # Calibration: how far the model misses a mixed plan's peak it was not fitted to.
     held_out = [(o.peak, loo) for o, loo in zip(with_peak, peak_loo, strict=True) if len(set(o.choices)) > 1]
     return CostModel(
@@ -239,20 +237,18 @@ def fit_cost_model(
 
 def _ridge(
     data: list[tuple[tuple[str, ...], float]], index: Mapping[str, int], base: float, prior: np.ndarray,
-    ridge: float | None, uninformed: Sequence[int] = (),
+    ridge: float | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Deltas ``prior + w``, ``w`` minimising ‖residual − Xw‖² + ridge·‖w‖² (w = 0 on the base
     choice), and each row's leave-one-out prediction.
 
     ``ridge=None`` picks it from :data:`RIDGES` by leave-one-out error: large where the
-    prior already explains the data, small where the data show what it misses. The choices
-    ``uninformed`` (their indices) have no prior to hold them: :data:`UNINFORMED` in its place.
+    prior already explains the data, small where the data show what it misses.
     """
     n_units, n_labels = prior.shape
     if not data:
         return prior, np.zeros(0)
     free = [u * n_labels + k for u in range(n_units) for k in range(1, n_labels)]
-    held = np.array([UNINFORMED if k in uninformed else 1.0 for u in range(n_units) for k in range(1, n_labels)])
     X = np.zeros((len(data), n_units * n_labels))
     residual = np.zeros(len(data))
     for row, (choices, value) in enumerate(data):
@@ -265,15 +261,33 @@ def _ridge(
     def loo_residuals(lam: float) -> np.ndarray:
         # The hat matrix X·A⁻¹·Xᵀ only by its diagonal and its product with the residual: never
         # n × n, so that fitting stays linear in the observations (a study of 10,000 plans).
-        w = np.linalg.solve(X.T @ X + lam * np.diag(held), X.T)
+        w = np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T)
         hat_diag = np.einsum("ij,ji->i", X, w)
         return (residual - X @ (w @ residual)) / np.maximum(1.0 - hat_diag, 1e-9)
 
     lam = ridge if ridge is not None else min(RIDGES, key=lambda r: float(np.mean(loo_residuals(r) ** 2)))
     deltas = prior.copy().reshape(-1)
-    deltas[free] += np.linalg.solve(X.T @ X + lam * np.diag(held), X.T @ residual)
+    deltas[free] += np.linalg.solve(X.T @ X + lam * np.eye(len(free)), X.T @ residual)
     values = np.array([value for _, value in data])
     return deltas.reshape(n_units, n_labels), values - loo_residuals(lam)
+
+
+def _pooled(
+    label: str, data: list[tuple[tuple[str, ...], float]], index: Mapping[str, int], base: float, prior: np.ndarray,
+    share: Sequence[float],
+) -> np.ndarray:
+    """The time prior of a choice whose preset never compiled (no step, no FLOPs): one figure
+    per unit of ``share`` (a tensor's bytes), least squares over the plans holding it, of what
+    their steps leave once every other unit is priced by ``prior``; spread by ``share`` like
+    any preset's. Zero where no timed plan holds it."""
+    rows = [
+        (sum(w for w, c in zip(share, choices, strict=True) if c == label),
+         seconds - base - sum(prior[u, index[c]] for u, c in enumerate(choices) if c != label))
+        for choices, seconds in data if label in choices
+    ]
+    held = sum(x * x for x, _ in rows)
+    per_share = sum(x * y for x, y in rows) / held if held > 0 else 0.0
+    return per_share * np.asarray(share, dtype=float)
 
 
 def _mean(values: Any) -> float:
