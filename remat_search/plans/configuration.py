@@ -69,11 +69,6 @@ class Configuration(BaseModel):
         return self.batch * self.accumulation * self.data_parallel
 
     @property
-    def examples_per_device(self) -> int:
-        """Examples each data-parallel device trains on in one step."""
-        return self.batch * self.accumulation
-
-    @property
     def devices(self) -> int:
         """How many devices the mesh spans."""
         return math.prod(size for _, size in self.mesh)

@@ -12,7 +12,8 @@ predicted as
   activations scaled by the micro-batch's ratio to the reference's (``s_k``), plus the mean
   residual of ``k``'s measured peaks (``e_k``; 0 before one);
 * step time: ``r_k · T``, ``r_k`` the mean ratio of ``k``'s measured step times to the
-  model's; before one, the ratio of a step's examples a device (micro-batch × accumulation).
+  model's; before one, the ratio of a step's tokens a device (global batch × sequence over
+  the devices: a tensor axis splits a data-parallel device's examples over its chips).
 
 A map is affine and increasing in ``P`` and ``T``, so a configuration's predicted front is
 the image of the reference's; the model's front is the Pareto front of all of them in peak
@@ -137,7 +138,7 @@ def fit_configured(base: CostModel, trials: Iterable[tuple[TrialResult, Mapping[
         ratios = [s.seconds / p.seconds for s, p in priced if s.seconds is not None and p.seconds > 0]
         maps.append(ConfigurationMap(
             configuration=c, state=state, scale=scale, offset=statistics.fmean(offsets) if offsets else 0.0,
-            ratio=statistics.fmean(ratios) if ratios else c.examples_per_device / reference.examples_per_device,
+            ratio=statistics.fmean(ratios) if ratios else c.tokens_per_device / reference.tokens_per_device,
             measured=len(at),
         ))
     return ConfiguredModel(base=base, reference_state=reference_state, maps=tuple(maps))

@@ -185,6 +185,25 @@ def test_the_configured_model_carries_the_reference_s_plans_to_other_configurati
     assert all(b.cost < a.cost for a, b in zip(front, front[1:]))
 
 
+def test_before_a_configuration_is_measured_its_step_is_the_reference_s_per_token_a_chip() -> None:
+    """v5p-128b's published mesh, fsdp=16 × tensor=8 at 16 examples a data-parallel device, and
+    its other, fsdp=32 × tensor=4 at 8: the same global batch, the same tokens a chip, so the same
+    step before either other configuration is measured; half the global batch, half the step.
+    (Priced by examples a data-parallel device, the other mesh once read twice as fast, and the
+    planner proposed it first.)"""
+    reference = Configuration(batch=16, mesh={"fsdp": 16, "tensor": 8}, sequence=8)
+    other = Configuration(batch=8, mesh={"fsdp": 32, "tensor": 4}, sequence=8)
+    halved = Configuration(batch=8, mesh={"fsdp": 16, "tensor": 8}, sequence=8)
+    space = _space_of(reference, other, halved)
+    base = CostModel(
+        units=space.units, labels=("none", "full"), base_peak=2600, base_seconds=2.0,
+        peak=np.array([[0.0, -600.0], [0.0, -600.0]]), seconds=np.array([[0.0, 0.5], [0.0, 0.5]]), observations=4, margin=0.0,
+    )
+    model = fit_configured(base, [_trial(0, space, ("none", "none"), reference.summary(), state=1000, temp=1600, seconds=2.0)], space)
+    assert model.predict(("none", "none"), other.summary()).seconds == pytest.approx(2.0)
+    assert model.predict(("full", "none"), halved.summary()).seconds == pytest.approx(1.25)
+
+
 def test_the_planner_proposes_plans_and_configurations_it_has_not_tried(storage_url: str) -> None:
     """In a study of configurations the planner's proposals (each with its prediction) are new
     candidates; a configuration nothing was measured at is proposed first, to measure it."""
