@@ -146,8 +146,7 @@ def row(run: Run, kept: dict[str, Any], theirs: StudyReport | None, ours: StudyR
 
 def compiles_until(report: StudyReport, number: int) -> int:
     """The compiles the study had spent when it compiled trial ``number`` (that one included)."""
-    return sum(1 for t in report.trials if t.number <= number and t.status in ("measured", "over_budget")
-               and t.measurement is not None and t.measurement.screened_bytes is None)
+    return sum(1 for t in report.trials if t.number <= number and t.measurement is not None and t.measurement.compiled)
 
 
 def shortfall(run: Run, kept: dict[str, Any], theirs: StudyReport | None, ours: StudyReport | None) -> str | None:

@@ -106,8 +106,7 @@ def best_and_counts(report: StudyReport) -> tuple[TrialResult | None, int, int]:
     timed = report.timed()
     best = min(timed, key=rank) if timed else None
     candidates = sum(1 for t in report.trials if t.status in ("measured", "over_budget", "failed", "infeasible"))
-    compiled = sum(1 for t in report.trials if t.status in ("measured", "over_budget") and t.measurement is not None
-                   and t.measurement.screened_bytes is None)
+    compiled = sum(1 for t in report.trials if t.measurement is not None and t.measurement.compiled)
     return best, candidates, compiled
 
 
