@@ -627,10 +627,11 @@ def keep_answers(runs: list[Run]) -> None:
             print(f"{run.name}: kept the answer's program ({best.summary()})", flush=True)
 
 
-def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
-    """Compile each run's published configuration (a study of one trial in :data:`DB`, its
-    artifacts in a scratch storage home), keep its program as ``folder/<run>.hlo.gz`` and its
-    published step in ``folder/samples.json``: calibration samples (``remat_search.targets.calibration``)."""
+def keep_programs(runs: list[Run], folder: Path = PROGRAMS, *, samples: bool = True, db: Path = DB) -> None:
+    """Compile each run's published configuration (a study of one trial in ``db``, its
+    artifacts in a scratch storage home), keep its program as ``folder/<run>.hlo.gz`` and, where
+    ``samples``, its published step in ``folder/samples.json``: calibration samples
+    (``remat_search.targets.calibration``)."""
     import json
     import shutil
     import tempfile
@@ -640,12 +641,12 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     index = folder / "samples.json"
-    samples = {s["label"]: s for s in (json.loads(index.read_text()) if index.exists() else [])}
+    kept = {s["label"]: s for s in (json.loads(index.read_text()) if index.exists() else [])}
     for run in runs:
         with tempfile.TemporaryDirectory() as home:
             os.environ["REMAT_SEARCH_HOME"] = home
             try:
-                report = search(run, f"sqlite:///{DB}", 1, keep_programs=True)
+                report = search(run, f"sqlite:///{db}", 1, keep_programs=True)
             finally:
                 os.environ.pop("REMAT_SEARCH_HOME")
             trial = published_trial(run, report)
@@ -655,12 +656,13 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS) -> None:
             shutil.copy(Path(home) / ARTIFACTS / f"maxtext-{run.name}" / KEPT / f"{trial.measurement.program_digest}.hlo.gz",
                         folder / f"{run.name}.hlo.gz")
         offloads = any(isinstance(c, dict) and c.get("offload") for c in run.choices[:1])
-        samples[run.name] = {
+        kept[run.name] = {
             "label": run.name, "chip": run.chip, "program": f"{run.name}.hlo.gz", "measured_seconds": published_step(run),
             "kind": "offload" if offloads else "recompute", "source": run.source, "family": run.family,
             "mesh": run.mesh,
         }
-        index.write_text(json.dumps(sorted(samples.values(), key=lambda s: s["label"]), indent=1) + "\n")
+        if samples:
+            index.write_text(json.dumps(sorted(kept.values(), key=lambda s: s["label"]), indent=1) + "\n")
         estimate = trial.measurement.estimate  # an over-budget trial is estimated too: its program is a sample
         print(f"{run.name}: kept ({trial.status}), estimated {estimate.seconds if estimate else float('nan'):.3f} s, "
               f"published {published_step(run):.3f} s", flush=True)
