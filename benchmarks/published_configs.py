@@ -117,6 +117,13 @@ OFFLOAD_INPUT_QKV = {"label": "offload_input_qkv", "offload": ["decoder_layer_in
 SPLASH_2048 = {**{f"sa_block_{b}": 2048 for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")},
                "sa_use_fused_bwd_kernel": True}
 """The splash-attention blocks of the v6e recipes of Llama 3.1 and Mistral (2048 throughout, fused backward)."""
+SPLASH_2048_UNFUSED = {k: v for k, v in SPLASH_2048.items() if k != "sa_use_fused_bwd_kernel"}
+"""The splash-attention blocks of the v5p recipe of Llama 3.1 405B (2048 throughout, MaxText's unfused backward)."""
+OFFLOAD_CONTEXT_MLPWO = {"label": "offload_context_mlpwo", "offload": ["context", "mlpwo"]}
+V5P_405B_FLAGS = " ".join([DENSE_VMEM_LIMIT, CF_FOR_ALL_GATHER.replace("--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true ", ""),
+                           HOST_OFFLOAD])
+"""The v5p recipe's LIBTPU_INIT_ARGS (MaxText's DENSE_VMEM_LIMIT_FLAG, CF_FOR_ALL_GATHER and HOST_OFFLOAD_FLAGS) but
+the all-gather continuation fusion, which libtpu 0.0.50 refuses on a v5p as on a v6e."""
 RECIPES = "AI-Hypercomputer/tpu-recipes (c8cfe2f): training/trillium/"
 
 
@@ -237,6 +244,18 @@ RUNS = [
 the v5p table), and eleven more v6e runs of the recipes, each its published configuration alone
 (fidelity and calibration). Sources are MaxText's repository (github.com/AI-Hypercomputer/maxtext)
 at the commit named, and the tpu-recipes repository for the v6e steps."""
+
+
+HELD_OUT = [
+    Run("v5p-llama3.1-405b", "v5p:8x8x8", {"model_name": "llama3.1-405b", "num_vocab_tiling": 4, **SPLASH_2048_UNFUSED},
+        2, 8192, {"fsdp": 512}, [OFFLOAD_CONTEXT_MLPWO], "131.474 s a step",
+        "AI-Hypercomputer/tpu-recipes (1dee47d): training/v5p/Llama3.1-405B-MaxText/cluster_toolkit/README.md (v5p-1024, "
+        "step 10); MaxText 3eb77db3: benchmarks/maxtext_v5p_model_configs.py llama3_1_405b_8192_v5p_1024",
+        V5P_405B_FLAGS, step_seconds=131.474, trials=1),
+]
+"""Published runs kept out of every calibration and every search: each is priced by the calibrations, which never
+saw it, as a study prices a new model (its band, its marks), and set against its published step (:func:`held_out_lines`).
+Its program is kept under :data:`HELD_OUT_PROGRAMS`."""
 
 
 def label(choice: Any) -> str:
@@ -449,6 +468,7 @@ def page(results: list[tuple[Run, StudyReport, float]], command: str, calibratio
          if values else "No run estimated yet.\n"),
         *[line for name, c in calibrations.items()
           for line in calibrated_lines(c, {run.name: published_step(run) for run, _, _ in results}, name)],
+        *held_out_lines(calibrations),
         "## Quality: the configuration space searched at the same chips, global batch and HBM\n",
         "Per-device batch (the published one or half, with accumulation making up the global batch), the published mesh "
         "or one other, one remat policy for every layer (MaxText's form), and, where listed, MaxText's memory knobs. "
@@ -555,6 +575,69 @@ def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> li
     ]
 
 
+def matmul_share(sample: Any, path: Path) -> float:
+    """The time a sample's matmuls take at its chip's peak, over its published step."""
+    from remat_search.targets.calibration import chip_of, read_program
+    from remat_search.targets.step_time import price
+    from remat_search.targets.work import read_work
+
+    chip = chip_of(sample.chip)
+    return price(read_work(read_program(path), chip.mxu), chip).mxu_flops / chip.bf16_flops / sample.measured_seconds
+
+
+def peak_ratios() -> str:
+    """:func:`matmul_share` over the calibration's samples, lowest and highest by group of chips."""
+    from remat_search.targets.calibration import load_samples
+
+    shares: dict[str, list[float]] = {}
+    for sample, path in load_samples(PROGRAMS / "samples.json"):
+        shares.setdefault(group(sample.chip), []).append(matmul_share(sample, path))
+    return ", ".join(f"{' and '.join(GROUPS[g])} {min(v):.3f}–{max(v):.3f}" for g, v in shares.items())
+
+
+def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
+    """The held-out runs (:data:`HELD_OUT`, kept by ``--programs``) priced by the calibration of their
+    chip's group and by the one of all, neither of which saw them: the estimate, the band and marks
+    a study would print beside it, and whether the published step lands inside that band."""
+    from remat_search.targets.calibration import chip_of, load_samples, read_program, with_band
+    from remat_search.targets.step_time import price
+    from remat_search.targets.work import read_work
+
+    index = HELD_OUT_PROGRAMS / "samples.json"
+    if not index.exists() or not calibrations:
+        return []
+    rows = []
+    for sample, path in load_samples(index):
+        chip = chip_of(sample.chip)
+        work = read_work(read_program(path), chip.mxu)
+        matmuls, waited = matmul_share(sample, path), price(work, chip).collective_seconds
+        for name in (group(sample.chip), "all"):
+            calibration = calibrations[name]
+            estimate = with_band(price(work, chip, calibration.efficiencies), calibration, sample.kind, mesh=sample.mesh)
+            low, high = estimate.band or (math.nan, math.nan)
+            ratio = sample.measured_seconds / estimate.seconds
+            rows.append(
+                f"| {sample.label} | `{'calibration' if name == 'all' else name}.json` | {sample.measured_seconds:.2f} s | "
+                f"{estimate.seconds:.2f} s | **{estimate.seconds / sample.measured_seconds:.3f}** | ×{low:.3f}–{high:.3f} | "
+                f"{ratio:.3f}: {'inside' if low <= ratio <= high else '**outside**'} | {estimate.outside or '—'} | "
+                f"{matmuls:.3f} | {waited:.2f} s |")
+    return [
+        "## Held out: published runs no calibration has seen\n",
+        "Each run of `HELD_OUT` is compiled as the others are (`--programs`) but kept apart "
+        "(`published_programs/held_out/`): no calibration is fitted on it and no study searches it. Priced by the "
+        "calibration of its chip's group and by the one of all, as a study on a new model would be: the estimate, "
+        "its ratio to the published step, the band the study would print beside it (published / estimate, its kind of "
+        "plan's, a family left out), whether the published step lands inside it, and the study's marks; then, at the "
+        "datasheet's figures, the time its matmuls take at the chip's peak over the published step (how close to the "
+        "peak the run ran them) and the collectives the model waits for. The same ratio over the calibration's samples: "
+        f"{peak_ratios()}.\n",
+        "| run | calibration | published step | estimate | est. / published | band printed | published / estimate | marks "
+        "| matmuls at peak / published step | collectives waited for, datasheet |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows, "",
+    ]
+
+
 def plot(ratios: dict[str, float], path: Path) -> None:
     """Each run's estimate / published step, the ±15% band shaded."""
     import matplotlib
@@ -582,6 +665,8 @@ what ``remat-search calibrate`` fits the TPU step-time model on (:func:`keep_pro
 
 
 ANSWERS = PROGRAMS / "answers"
+HELD_OUT_PROGRAMS = PROGRAMS / "held_out"
+"""The programs of :data:`HELD_OUT` and their published steps (``samples.json``), apart from the calibration's samples."""
 """Each searched run's answer's compiled program, where it is faster than the published
 configuration by the uncalibrated model (:func:`keep_answers`): priced at the calibration's
 figures beside the published configuration's for the page's calibrated verdict."""
@@ -670,7 +755,8 @@ def keep_programs(runs: list[Run], folder: Path = PROGRAMS, *, samples: bool = T
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", nargs="*", default=[r.name for r in RUNS], help="which of RUNS (default: all)")
+    parser.add_argument("--runs", nargs="*", default=[r.name for r in RUNS],
+                        help="which of RUNS (default: all); with --programs, HELD_OUT's too")
     parser.add_argument("--trials", type=int, default=None, help="trials of each study (default: each run's)")
     parser.add_argument("--report", action="store_true", help="write the page from the kept studies, compiling nothing")
     parser.add_argument("--programs", action="store_true",
@@ -680,6 +766,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.programs:
         keep_programs([r for r in RUNS if r.name in args.runs])
+        keep_programs([r for r in HELD_OUT if r.name in args.runs], HELD_OUT_PROGRAMS)
         return
     if args.answers:
         keep_answers([r for r in RUNS if r.name in args.runs])
