@@ -614,13 +614,14 @@ def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
         for name in (group(sample.chip), "all"):
             calibration = calibrations[name]
             estimate = with_band(price(work, chip, calibration.efficiencies), calibration, sample.kind, mesh=sample.mesh)
+            free = price(work, chip, calibration.efficiencies.model_copy(update={"ici": 1e6})).seconds  # collectives free
             low, high = estimate.band or (math.nan, math.nan)
             ratio = sample.measured_seconds / estimate.seconds
             rows.append(
                 f"| {sample.label} | `{'calibration' if name == 'all' else name}.json` | {sample.measured_seconds:.2f} s | "
                 f"{estimate.seconds:.2f} s | **{estimate.seconds / sample.measured_seconds:.3f}** | ×{low:.3f}–{high:.3f} | "
                 f"{ratio:.3f}: {'inside' if low <= ratio <= high else '**outside**'} | {estimate.outside or '—'} | "
-                f"{matmuls:.3f} | {waited:.2f} s |")
+                f"{matmuls:.3f} | {waited:.2f} s | {free / sample.measured_seconds:.3f} |")
     return [
         "## Held out: published runs no calibration has seen\n",
         "Each run of `HELD_OUT` is compiled as the others are (`--programs`) but kept apart "
@@ -629,11 +630,12 @@ def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
         "its ratio to the published step, the band the study would print beside it (published / estimate, its kind of "
         "plan's, a family left out), whether the published step lands inside it, and the study's marks; then, at the "
         "datasheet's figures, the time its matmuls take at the chip's peak over the published step (how close to the "
-        "peak the run ran them) and the collectives the model waits for. The same ratio over the calibration's samples: "
+        "peak the run ran them) and the collectives the model waits for; last, the estimate with every collective free, "
+        "over the published step. The matmul ratio over the calibration's samples: "
         f"{peak_ratios()}.\n",
         "| run | calibration | published step | estimate | est. / published | band printed | published / estimate | marks "
-        "| matmuls at peak / published step | collectives waited for, datasheet |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| matmuls at peak / published step | collectives waited for, datasheet | collectives free: est. / published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ]
 
