@@ -575,23 +575,23 @@ def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> li
     ]
 
 
-def matmul_share(sample: Any, path: Path) -> float:
-    """The time a sample's matmuls take at its chip's peak, over its published step."""
-    from remat_search.targets.calibration import chip_of, read_program
+def matmul_share(work: Any, chip: Any, measured: float) -> float:
+    """The time a program's matmuls take at its chip's peak, over its measured step."""
     from remat_search.targets.step_time import price
-    from remat_search.targets.work import read_work
 
-    chip = chip_of(sample.chip)
-    return price(read_work(read_program(path), chip.mxu), chip).mxu_flops / chip.bf16_flops / sample.measured_seconds
+    return price(work, chip).mxu_flops / chip.bf16_flops / measured
 
 
 def peak_ratios() -> str:
     """:func:`matmul_share` over the calibration's samples, lowest and highest by group of chips."""
-    from remat_search.targets.calibration import load_samples
+    from remat_search.targets.calibration import chip_of, load_samples, read_program
+    from remat_search.targets.work import read_work
 
     shares: dict[str, list[float]] = {}
     for sample, path in load_samples(PROGRAMS / "samples.json"):
-        shares.setdefault(group(sample.chip), []).append(matmul_share(sample, path))
+        chip = chip_of(sample.chip)
+        shares.setdefault(group(sample.chip), []).append(
+            matmul_share(read_work(read_program(path), chip.mxu), chip, sample.measured_seconds))
     return ", ".join(f"{' and '.join(GROUPS[g])} {min(v):.3f}–{max(v):.3f}" for g, v in shares.items())
 
 
@@ -610,7 +610,7 @@ def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
     for sample, path in load_samples(index):
         chip = chip_of(sample.chip)
         work = read_work(read_program(path), chip.mxu)
-        matmuls, waited = matmul_share(sample, path), price(work, chip).collective_seconds
+        matmuls, waited = matmul_share(work, chip, sample.measured_seconds), price(work, chip).collective_seconds
         for name in (group(sample.chip), "all"):
             calibration = calibrations[name]
             estimate = with_band(price(work, chip, calibration.efficiencies), calibration, sample.kind, mesh=sample.mesh)
@@ -667,11 +667,11 @@ what ``remat-search calibrate`` fits the TPU step-time model on (:func:`keep_pro
 
 
 ANSWERS = PROGRAMS / "answers"
-HELD_OUT_PROGRAMS = PROGRAMS / "held_out"
-"""The programs of :data:`HELD_OUT` and their published steps (``samples.json``), apart from the calibration's samples."""
 """Each searched run's answer's compiled program, where it is faster than the published
 configuration by the uncalibrated model (:func:`keep_answers`): priced at the calibration's
 figures beside the published configuration's for the page's calibrated verdict."""
+HELD_OUT_PROGRAMS = PROGRAMS / "held_out"
+"""The programs of :data:`HELD_OUT` and their published steps (``samples.json``), apart from the calibration's samples."""
 
 
 def keep_answers(runs: list[Run]) -> None:
