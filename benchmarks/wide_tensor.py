@@ -24,7 +24,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from published_configs import FULL, MINIMAL, PROGRAMS, RUNS, Run, keep_programs, label  # benchmarks/ is the script's folder
+from published_configs import (  # benchmarks/ is the script's folder
+    FULL,
+    MINIMAL,
+    PROGRAMS,
+    RUNS,
+    Run,
+    keep_programs,
+    label,
+)
 
 from remat_search.targets.calibration import chip_of, fit, load_calibration, read_program
 from remat_search.targets.step_time import Efficiencies, StepEstimate, price
