@@ -619,7 +619,7 @@ def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
             ratio = sample.measured_seconds / estimate.seconds
             rows.append(
                 f"| {sample.label} | `{'calibration' if name == 'all' else name}.json` | {sample.measured_seconds:.2f} s | "
-                f"{estimate.seconds:.2f} s | **{estimate.seconds / sample.measured_seconds:.3f}** | ×{low:.3f}–{high:.3f} | "
+                f"{estimate.seconds:.2f} s | {estimate.seconds / sample.measured_seconds:.3f} | ×{low:.3f}–{high:.3f} | "
                 f"{ratio:.3f}: {'inside' if low <= ratio <= high else '**outside**'} | {estimate.outside or '—'} | "
                 f"{matmuls:.3f} | {waited:.2f} s | {free / sample.measured_seconds:.3f} |")
     return [
