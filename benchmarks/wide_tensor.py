@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from published_configs import (  # benchmarks/ is the script's folder
     label,
 )
 
-from remat_search.targets.calibration import chip_of, fit, load_calibration, read_program
+from remat_search.targets.calibration import chip_of, fit, load_calibration, load_samples, read_program
 from remat_search.targets.step_time import Efficiencies, StepEstimate, price
 from remat_search.targets.work import Work, read_work
 
@@ -66,10 +65,10 @@ def programs() -> dict[str, tuple[str, Path]]:
 
 def v5_samples() -> tuple[list[Work], list, list[float]]:
     """The v5 calibration's samples: their programs' work, chips and published steps."""
-    samples = [s for s in json.loads((PROGRAMS / "samples.json").read_text()) if s["chip"] in ("v5e", "v5p")]
-    chips = [chip_of(s["chip"]) for s in samples]
-    works = [read_work(read_program(PROGRAMS / s["program"]), c.mxu) for s, c in zip(samples, chips, strict=True)]
-    return works, chips, [s["measured_seconds"] for s in samples]
+    samples = [(s, path) for s, path in load_samples(PROGRAMS / "samples.json") if s.chip in ("v5e", "v5p")]
+    chips = [chip_of(s.chip) for s, _ in samples]
+    works = [read_work(read_program(path), c.mxu) for (_, path), c in zip(samples, chips, strict=True)]
+    return works, chips, [s.measured_seconds for s, _ in samples]
 
 
 def row(name: str, what: str, work: Work, figures: Efficiencies, hbm_at_datasheet: Efficiencies,
