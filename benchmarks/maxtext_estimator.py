@@ -187,8 +187,8 @@ def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
         "estimator keeps every tensor it can on the device next to the HBM's edge, the compiled program recomputes "
         "and waits on its collectives more (v5p-32b: 3.07 s of collectives waited for, against 0.41 s for the "
         "published `minimal`, by `show --trial`), and where it offloads, the host link is priced in. Every "
-        "offloading estimate on this page is outside the calibration's samples (no v5 sample offloads): "
-        "the comparison there rests on the model's pricing of the host link alone."), "",
+        "v5 estimate that offloads is outside the calibration's samples (no v5 sample offloads): the comparison "
+        "there rests on the model's pricing of the host link alone; the v6e samples offload, so the v6e rows do not."), "",
     ])
 
 
