@@ -12,21 +12,42 @@ predicted as
   activations scaled by the micro-batch's ratio to the reference's (``s_k``), plus the mean
   residual of ``k``'s measured peaks (``e_k``; 0 before one);
 * step time: ``r_k · T``, ``r_k`` the mean ratio of ``k``'s measured step times to the
-  model's; before one, the ratio of a step's tokens a device (global batch × sequence over
-  the devices: a tensor axis splits a data-parallel device's examples over its chips).
+  model's; before one, its guess: the reference's ratio, times the ratio of a step's tokens a
+  device (global batch × sequence over the devices: a tensor axis splits a data-parallel
+  device's examples over its chips), times the effect of each trait that sets ``k`` apart from
+  the reference (its micro-batch and accumulation, its mesh, each other setting's value) as the
+  configurations measured so far show it (least squares on the logarithm of their ratio over
+  their guess without traits; a trait none of them has: no effect).
+
+A plan measured at the reference is carried at what it measured there, not at the per-layer
+model's prediction: the model is a ridge towards a prior and smooths a measured plan (on the
+published Llama 2 70B it read the published point 9.357 s against the 9.141 s measured), and
+a smoothed incumbent let a plan measured slower (``full``) read as the fastest everywhere.
 
 A map is affine and increasing in ``P`` and ``T``, so a configuration's predicted front is
 the image of the reference's; the model's front is the Pareto front of all of them in peak
 and time per token a device trains on (the study's ranking). Predictions only choose what
 to measure: every proposal is compiled and measured like any other trial.
+
+:meth:`ConfiguredModel.openings` says which configurations nothing was measured at are worth a
+compile. One with a trait no configuration measured has, always: its effect is learnt there.
+One whose every trait was measured elsewhere, only while its fastest plan predicted to fit
+could beat the best time per token measured so far, were its guess off by as much as the
+guesses of such combinations have been (:attr:`ConfiguredModel.guess_error`: each measured
+one's guess from the others). Replayed on the kept study of the published Llama 2 70B
+(``benchmarks/planner_openings.py``), whose planner opened all seven other configurations, it
+opens four and leaves three combinations closed, each measured there 2–23% slower than the best.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from remat_search.plans.configuration import Configuration
@@ -57,8 +78,14 @@ class ConfigurationMap(BaseModel):
     scale: float
     offset: float
     ratio: float
+    guess: float
+    """The step-time ratio assumed before a step was measured here (see the module doc)."""
     measured: int
     """How many of the study's plans at this configuration the map was fitted to."""
+    timed: int = 0
+    """How many of them ran (or were estimated): :attr:`ratio` is theirs, else :attr:`guess`."""
+    novel: bool = False
+    """Whether it has a trait that no configuration whose step was measured has."""
 
     def carry(self, prediction: Prediction, reference_state: float) -> ConfiguredPrediction:
         seconds = self.ratio * prediction.seconds
@@ -75,8 +102,19 @@ class ConfiguredModel(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     base: CostModel
+    reference: str
+    """The reference configuration's label."""
     reference_state: float
     maps: tuple[ConfigurationMap, ...]
+    measured_plans: tuple[Prediction, ...] = ()
+    """The plans measured at the reference (ran, or estimated), in the per-layer model's terms:
+    the reference's map carries each to its measured peak and step."""
+    incumbent: float | None = None
+    """The least step seconds per token a device trains on that a candidate measured, anywhere."""
+    guess_error: float | None = None
+    """The largest factor by which a measured configuration's step ratio missed its guess from
+    the other measured configurations, either way, over those whose every trait another of them
+    has; None before one."""
 
     @property
     def margin(self) -> float:
@@ -85,14 +123,16 @@ class ConfiguredModel(BaseModel):
 
     def predict(self, choices: tuple[str, ...], configuration: str) -> ConfiguredPrediction | None:
         """The prediction for the plan of ``choices`` at the configuration labelled ``configuration``."""
-        prediction = self.base.predict(choices)
+        prediction = next((p for p in self.measured_plans if p.choices == tuple(choices)), None) or self.base.predict(choices)
         found = next((m for m in self.maps if m.configuration.summary() == configuration), None)
         return None if prediction is None or found is None else found.carry(prediction, self.reference_state)
 
     def front(self, configuration: str | None = None) -> list[ConfiguredPrediction]:
         """The predicted Pareto front of every configuration's plans (or of the configuration
-        labelled ``configuration``'s), in peak and time per token, least memory first."""
-        reference = self.base.front()
+        labelled ``configuration``'s), in peak and time per token, least memory first; a plan
+        measured at the reference is carried at its measurement."""
+        measured = {p.choices for p in self.measured_plans}
+        reference = [*self.measured_plans, *(p for p in self.base.front() if p.choices not in measured)]
         maps = [m for m in self.maps if configuration in (None, m.configuration.summary())]
         points = sorted((m.carry(p, self.reference_state) for m in maps for p in reference), key=lambda p: (p.peak, p.cost))
         front: list[ConfiguredPrediction] = []
@@ -100,6 +140,24 @@ class ConfiguredModel(BaseModel):
             if not front or p.cost < front[-1].cost:
                 front.append(p)
         return front
+
+    def openings(self, budget: float) -> list[ConfiguredPrediction]:
+        """For each configuration nothing was measured at, its fastest plan predicted to fit
+        ``budget`` (with the model's margin), least predicted time per token first: those worth
+        a compile to measure the configuration's map. A configuration is left out whose every
+        trait a measured configuration has, once :attr:`guess_error` is known, if its prediction
+        could not beat the best measured (:attr:`incumbent`) even were its guess off by that
+        much in its favour: its candidates stay in :meth:`front`, at their guess."""
+        error = self.guess_error
+        openings = []
+        for m in self.maps:
+            fitting = [p for p in self.front(m.configuration.summary()) if p.peak * (1 + self.margin) <= budget]
+            if m.measured or not fitting:
+                continue
+            best = min(fitting, key=lambda p: p.cost)
+            if m.novel or error is None or self.incumbent is None or best.cost / error < self.incumbent:
+                openings.append(best)
+        return sorted(openings, key=lambda p: p.cost)
 
 
 class _Seen(BaseModel):
@@ -127,8 +185,8 @@ def fit_configured(base: CostModel, trials: Iterable[tuple[TrialResult, Mapping[
     if not at_reference:
         return None
     reference_state = statistics.fmean(at_reference)
-    maps = []
-    for c in space.configurations:
+    rows = []
+    for c in space.configurations:  # the reference first
         at = [s for s in seen.values() if s.configuration == c.summary()]
         fsdp = dict(reference.mesh).get("fsdp", 1) / dict(c.mesh).get("fsdp", 1)
         state = statistics.fmean(s.state for s in at) if at else reference_state * fsdp
@@ -136,12 +194,71 @@ def fit_configured(base: CostModel, trials: Iterable[tuple[TrialResult, Mapping[
         priced = [(s, p) for s in at if (p := base.predict(s.choices)) is not None]
         offsets = [s.peak - (state + scale * (p.peak - reference_state)) for s, p in priced]
         ratios = [s.seconds / p.seconds for s, p in priced if s.seconds is not None and p.seconds > 0]
+        rows.append((c, at, state, scale, offsets, ratios))
+    reference_ratio = statistics.fmean(rows[0][5]) if rows[0][5] else 1.0
+    tokens = {c.summary(): c.tokens_per_device for c in space.configurations}
+    # what each other configuration's measured ratio says beyond its tokens: log(ratio / plain guess)
+    plain = {c.summary(): reference_ratio * tokens[c.summary()] / reference.tokens_per_device for c in space.configurations}
+    traits = {c.summary(): _traits(c, reference) for c in space.configurations}
+    learnt = {c.summary(): math.log(statistics.fmean(ratios) / plain[c.summary()]) for c, *_, ratios in rows[1:] if ratios}
+    effects = _effects({k: (traits[k], v) for k, v in learnt.items()})
+    known = set().union(*(traits[k] for k in learnt))
+    maps = []
+    for c, at, state, scale, offsets, ratios in rows:
+        guess = plain[c.summary()] * math.exp(sum(effects.get(t, 0.0) for t in traits[c.summary()]))
         maps.append(ConfigurationMap(
             configuration=c, state=state, scale=scale, offset=statistics.fmean(offsets) if offsets else 0.0,
-            ratio=statistics.fmean(ratios) if ratios else c.tokens_per_device / reference.tokens_per_device,
-            measured=len(at),
+            ratio=statistics.fmean(ratios) if ratios else guess, guess=guess, measured=len(at), timed=len(ratios),
+            novel=not traits[c.summary()] <= known,
         ))
-    return ConfiguredModel(base=base, reference_state=reference_state, maps=tuple(maps))
+    at_ref = maps[0]
+    timed = [(s, s.seconds) for s in seen.values() if s.seconds is not None and s.configuration in tokens]
+    return ConfiguredModel(
+        base=base, reference=reference.summary(), reference_state=reference_state, maps=tuple(maps),
+        measured_plans=tuple(
+            Prediction(choices=s.choices, peak=reference_state + (s.peak - at_ref.state - at_ref.offset) / at_ref.scale,
+                       seconds=seconds / at_ref.ratio)
+            for s, seconds in timed if s.configuration == reference.summary()
+        ),
+        incumbent=min((seconds / tokens[s.configuration] for s, seconds in timed), default=None),
+        guess_error=_guess_error({k: (traits[k], v) for k, v in learnt.items()}),
+    )
+
+
+def _traits(c: Configuration, reference: Configuration) -> frozenset[str]:
+    """What sets ``c`` apart from ``reference``: its micro-batch and accumulation, its mesh, and
+    each setting's value, where they differ from the reference's."""
+    def of(x: Configuration) -> dict[str, str]:
+        return {"batch": f"{x.batch}×{x.accumulation}", "mesh": json.dumps(x.mesh), **{k: json.dumps(v) for k, v in x.settings}}
+
+    theirs = of(reference)
+    return frozenset(f"{k} {v}" for k, v in of(c).items() if theirs.get(k) != v)
+
+
+def _effects(learnt: Mapping[str, tuple[frozenset[str], float]]) -> dict[str, float]:
+    """Each trait's effect on the logarithm of a step's ratio: least squares (the least-norm
+    solution where traits always come together) over the measured configurations' ``learnt``
+    (their traits, and the logarithm of their ratio over their guess without traits)."""
+    names = sorted(set().union(*(t for t, _ in learnt.values())))
+    if not names:
+        return {}
+    x = np.array([[float(n in t) for n in names] for t, _ in learnt.values()])
+    y = np.array([v for _, v in learnt.values()])
+    solution = np.linalg.lstsq(x, y, rcond=None)[0]
+    return dict(zip(names, (float(v) for v in solution), strict=True))
+
+
+def _guess_error(learnt: Mapping[str, tuple[frozenset[str], float]]) -> float | None:
+    """The largest factor by which a measured configuration's ratio misses its guess from the
+    others (:func:`_effects` without it), either way, over those whose every trait another
+    measured configuration has; None where none has."""
+    misses = []
+    for k, (traits, value) in learnt.items():
+        others = {o: v for o, v in learnt.items() if o != k}
+        if traits <= set().union(*(t for t, _ in others.values())):
+            effects = _effects(others)
+            misses.append(math.exp(abs(value - sum(effects[t] for t in traits))))
+    return max(misses, default=None)
 
 
 def study_configured_model(study: optuna.Study, space: Space) -> ConfiguredModel | None:

@@ -151,7 +151,9 @@ class PlannerSampler(Sampler):
     def _propose_configured(self, study: optuna.Study) -> tuple[Prediction, int, int, float] | None:
         """:meth:`_propose` in a space of configurations (:mod:`search.configured_model`).
 
-        First each configuration nothing was measured at, in the order of its predicted time per
+        First each configuration nothing was measured at that is worth a compile
+        (:meth:`ConfiguredModel.openings`: one with a trait no measured configuration has, or
+        one whose guess could beat the best measured), in the order of its predicted time per
         token: its fastest plan predicted to fit the budget, so that its map is measured rather
         than assumed. Then, for each target, the candidate (plan and configuration) of the least
         predicted time per token among the best untried few. A configuration the workload refused
@@ -167,12 +169,7 @@ class PlannerSampler(Sampler):
         refused = refused_configurations(trials)
         # the workload refuses those configurations (an infeasible trial: MaxText refuses its mesh): no more of them
         model = model.model_copy(update={"maps": [m for m in model.maps if m.configuration.summary() not in refused]})
-        fits = [
-            min(fitting, key=lambda p: p.cost)
-            for m in model.maps if not m.measured
-            if (fitting := [p for p in model.front(m.configuration.summary()) if p.peak * (1 + model.margin) <= self._budget])
-        ]
-        for prediction in sorted(fits, key=lambda p: p.cost):
+        for prediction in model.openings(self._budget):
             if (prediction.choices, prediction.configuration) not in tried:
                 return prediction, self._budget, model.base.observations, model.margin
         front = model.front()
