@@ -2,9 +2,13 @@
 configuration (:mod:`search.cost_model`) carried to every other configuration by what its
 candidates measured there.
 
-At the reference configuration (the first listed, where the presets run) the per-layer model
-predicts a plan's peak ``P`` and step time ``T``. The same plan at configuration ``k`` is
-predicted as
+At the reference configuration (the first listed, where the presets run) a plan's peak ``P``
+and step time ``T`` are what it measured there, or, for a plan not measured there, the
+per-layer model's prediction corrected by the mean residual (peak) and ratio (time) of the
+plans measured there. (The per-layer model is a ridge towards a prior and smooths a measured
+plan: on the published Llama 2 70B it read the published point 9.357 s against the 9.141 s
+measured, and so the planner took `full`, measured 9.294 s, for the fastest plan everywhere.)
+The same plan at configuration ``k`` is predicted as
 
 * peak: ``S_k + s_k · (P − S_ref) + e_k``: the training state a device holds (``S``: the
   compiler's argument bytes, exact once any candidate at ``k`` compiled; before, the
@@ -12,17 +16,12 @@ predicted as
   activations scaled by the micro-batch's ratio to the reference's (``s_k``), plus the mean
   residual of ``k``'s measured peaks (``e_k``; 0 before one);
 * step time: ``r_k · T``, ``r_k`` the mean ratio of ``k``'s measured step times to the
-  model's; before one, its guess: the reference's ratio, times the ratio of a step's tokens a
-  device (global batch × sequence over the devices: a tensor axis splits a data-parallel
-  device's examples over its chips), times the effect of each trait that sets ``k`` apart from
-  the reference (its micro-batch and accumulation, its mesh, each other setting's value) as the
+  reference's of the same plans; before one, its guess: the ratio of a step's tokens a device
+  (global batch × sequence over the devices: a tensor axis splits a data-parallel device's
+  examples over its chips), times the effect of each trait that sets ``k`` apart from the
+  reference (its micro-batch and accumulation, its mesh, each other setting's value) as the
   configurations measured so far show it (least squares on the logarithm of their ratio over
-  their guess without traits; a trait none of them has: no effect).
-
-A plan measured at the reference is carried at what it measured there, not at the per-layer
-model's prediction: the model is a ridge towards a prior and smooths a measured plan (on the
-published Llama 2 70B it read the published point 9.357 s against the 9.141 s measured), and
-a smoothed incumbent let a plan measured slower (``full``) read as the fastest everywhere.
+  their tokens'; a trait none of them has: no effect).
 
 A map is affine and increasing in ``P`` and ``T``, so a configuration's predicted front is
 the image of the reference's; the model's front is the Pareto front of all of them in peak
@@ -34,9 +33,7 @@ compile. One with a trait no configuration measured has, always: its effect is l
 One whose every trait was measured elsewhere, only while its fastest plan predicted to fit
 could beat the best time per token measured so far, were its guess off by as much as the
 guesses of such combinations have been (:attr:`ConfiguredModel.guess_error`: each measured
-one's guess from the others). Replayed on the kept study of the published Llama 2 70B
-(``benchmarks/planner_openings.py``), whose planner opened all seven other configurations, it
-opens four and leaves three combinations closed, each measured there 2–23% slower than the best.
+one's guess from the others).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,7 +94,7 @@ class ConfigurationMap(BaseModel):
 
 
 class ConfiguredModel(BaseModel):
-    """The reference's per-layer model and one map for each configuration of the space."""
+    """The reference's per-layer model, its measured plans, and one map for each configuration of the space."""
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
@@ -105,10 +102,14 @@ class ConfiguredModel(BaseModel):
     reference: str
     """The reference configuration's label."""
     reference_state: float
-    maps: tuple[ConfigurationMap, ...]
+    reference_offset: float = 0.0
+    """The mean residual of the peaks measured at the reference, over the per-layer model's."""
+    reference_ratio: float = 1.0
+    """The mean ratio of the steps measured at the reference to the per-layer model's."""
     measured_plans: tuple[Prediction, ...] = ()
-    """The plans measured at the reference (ran, or estimated), in the per-layer model's terms:
-    the reference's map carries each to its measured peak and step."""
+    """The plans compiled at the reference: their peak there, and their step where they ran (or
+    were estimated), else the corrected per-layer model's."""
+    maps: tuple[ConfigurationMap, ...]
     incumbent: float | None = None
     """The least step seconds per token a device trains on that a candidate measured, anywhere."""
     guess_error: float | None = None
@@ -121,18 +122,26 @@ class ConfiguredModel(BaseModel):
         """The reference model's calibration margin (:attr:`CostModel.margin`)."""
         return self.base.margin
 
+    def at_reference(self, choices: Sequence[str]) -> Prediction | None:
+        """The plan's peak and step at the reference: measured, or the corrected per-layer model's."""
+        if measured := next((p for p in self.measured_plans if p.choices == tuple(choices)), None):
+            return measured
+        return None if (p := self.base.predict(choices)) is None else self._corrected(p)
+
+    def _corrected(self, p: Prediction) -> Prediction:
+        return p.model_copy(update={"peak": p.peak + self.reference_offset, "seconds": p.seconds * self.reference_ratio})
+
     def predict(self, choices: tuple[str, ...], configuration: str) -> ConfiguredPrediction | None:
         """The prediction for the plan of ``choices`` at the configuration labelled ``configuration``."""
-        prediction = next((p for p in self.measured_plans if p.choices == tuple(choices)), None) or self.base.predict(choices)
+        prediction = self.at_reference(choices)
         found = next((m for m in self.maps if m.configuration.summary() == configuration), None)
         return None if prediction is None or found is None else found.carry(prediction, self.reference_state)
 
     def front(self, configuration: str | None = None) -> list[ConfiguredPrediction]:
         """The predicted Pareto front of every configuration's plans (or of the configuration
-        labelled ``configuration``'s), in peak and time per token, least memory first; a plan
-        measured at the reference is carried at its measurement."""
+        labelled ``configuration``'s), in peak and time per token, least memory first."""
         measured = {p.choices for p in self.measured_plans}
-        reference = [*self.measured_plans, *(p for p in self.base.front() if p.choices not in measured)]
+        reference = [*self.measured_plans, *(self._corrected(p) for p in self.base.front() if p.choices not in measured)]
         maps = [m for m in self.maps if configuration in (None, m.configuration.summary())]
         points = sorted((m.carry(p, self.reference_state) for m in maps for p in reference), key=lambda p: (p.peak, p.cost))
         front: list[ConfiguredPrediction] = []
@@ -185,44 +194,50 @@ def fit_configured(base: CostModel, trials: Iterable[tuple[TrialResult, Mapping[
     if not at_reference:
         return None
     reference_state = statistics.fmean(at_reference)
+    here = [(s, base.predict(s.choices)) for s in seen.values() if s.configuration == reference.summary()]
+    priced_here = [(s, p) for s, p in here if p is not None]
+    offset = statistics.fmean(s.peak - p.peak for s, p in priced_here) if priced_here else 0.0
+    ratio = statistics.fmean([t / p.seconds for s, p in priced_here if (t := s.seconds) is not None and p.seconds > 0] or [1.0])
+    model = ConfiguredModel(
+        base=base, reference=reference.summary(), reference_state=reference_state, reference_offset=offset,
+        reference_ratio=ratio, maps=(),
+        # every plan compiled at the reference at its peak there; its step where it ran, else the model's
+        measured_plans=tuple(
+            Prediction(choices=s.choices, peak=s.peak, seconds=s.seconds if s.seconds is not None else p.seconds * ratio)
+            for s, p in here if s.seconds is not None or p is not None
+        ),
+    )
+    timed = [(s, s.seconds) for s in seen.values() if s.seconds is not None]
+    tokens = {c.summary(): c.tokens_per_device / reference.tokens_per_device for c in space.configurations}
+    traits = {c.summary(): _traits(c, reference) for c in space.configurations}
     rows = []
-    for c in space.configurations:  # the reference first
+    for c in space.configurations:
         at = [s for s in seen.values() if s.configuration == c.summary()]
         fsdp = dict(reference.mesh).get("fsdp", 1) / dict(c.mesh).get("fsdp", 1)
         state = statistics.fmean(s.state for s in at) if at else reference_state * fsdp
         scale = c.batch / reference.batch
-        priced = [(s, p) for s in at if (p := base.predict(s.choices)) is not None]
+        priced = [(s, p) for s in at if (p := model.at_reference(s.choices)) is not None]
         offsets = [s.peak - (state + scale * (p.peak - reference_state)) for s, p in priced]
-        ratios = [s.seconds / p.seconds for s, p in priced if s.seconds is not None and p.seconds > 0]
+        ratios = [t / p.seconds for s, p in priced if (t := s.seconds) is not None and p.seconds > 0]
         rows.append((c, at, state, scale, offsets, ratios))
-    reference_ratio = statistics.fmean(rows[0][5]) if rows[0][5] else 1.0
-    tokens = {c.summary(): c.tokens_per_device for c in space.configurations}
-    # what each other configuration's measured ratio says beyond its tokens: log(ratio / plain guess)
-    plain = {c.summary(): reference_ratio * tokens[c.summary()] / reference.tokens_per_device for c in space.configurations}
-    traits = {c.summary(): _traits(c, reference) for c in space.configurations}
-    learnt = {c.summary(): math.log(statistics.fmean(ratios) / plain[c.summary()]) for c, *_, ratios in rows[1:] if ratios}
-    effects = _effects({k: (traits[k], v) for k, v in learnt.items()})
-    known = set().union(*(traits[k] for k in learnt))
+    # what each other configuration's measured ratio says beyond its tokens
+    learnt = {c.summary(): (traits[c.summary()], math.log(statistics.fmean(r) / tokens[c.summary()])) for c, *_, r in rows[1:] if r}
+    effects = _effects(learnt)
+    known = set().union(*(t for t, _ in learnt.values()))
     maps = []
     for c, at, state, scale, offsets, ratios in rows:
-        guess = plain[c.summary()] * math.exp(sum(effects.get(t, 0.0) for t in traits[c.summary()]))
+        guess = tokens[c.summary()] * math.exp(sum(effects.get(t, 0.0) for t in traits[c.summary()]))
         maps.append(ConfigurationMap(
             configuration=c, state=state, scale=scale, offset=statistics.fmean(offsets) if offsets else 0.0,
             ratio=statistics.fmean(ratios) if ratios else guess, guess=guess, measured=len(at), timed=len(ratios),
             novel=not traits[c.summary()] <= known,
         ))
-    at_ref = maps[0]
-    timed = [(s, s.seconds) for s in seen.values() if s.seconds is not None and s.configuration in tokens]
-    return ConfiguredModel(
-        base=base, reference=reference.summary(), reference_state=reference_state, maps=tuple(maps),
-        measured_plans=tuple(
-            Prediction(choices=s.choices, peak=reference_state + (s.peak - at_ref.state - at_ref.offset) / at_ref.scale,
-                       seconds=seconds / at_ref.ratio)
-            for s, seconds in timed if s.configuration == reference.summary()
-        ),
-        incumbent=min((seconds / tokens[s.configuration] for s, seconds in timed), default=None),
-        guess_error=_guess_error({k: (traits[k], v) for k, v in learnt.items()}),
-    )
+    by_label = {c.summary(): c for c in space.configurations}
+    return model.model_copy(update={
+        "maps": tuple(maps),
+        "incumbent": min((t / by_label[s.configuration].tokens_per_device for s, t in timed if s.configuration in by_label), default=None),
+        "guess_error": _guess_error(learnt),
+    })
 
 
 def _traits(c: Configuration, reference: Configuration) -> frozenset[str]:
