@@ -73,12 +73,12 @@ def published_point(run: Run) -> dict[str, Any]:
     return {"label": choice["label"], "per_name": {"device": kept, "offload": offloaded}}
 
 
-def tensor_study(run: Run, storage: str, trials: int) -> StudyReport:
-    """The run's per-tensor study, run (or resumed) to ``trials`` candidates."""
+def tensor_study(run: Run, storage: str, trials: int, study: str | None = None) -> StudyReport:
+    """The run's per-tensor study (``maxtext-<run>-tensors``, or ``study``), run (or resumed) to ``trials`` candidates."""
     calibration = PROGRAMS / f"{group(run.chip)}.json"
     space = {"layout": "tensors", "tensors": list(tensors(run)), "points": [published_point(run)]}
     target = {"platform": "tpu", "topology": run.topology, "calibration": str(calibration)}
-    return search(run, storage, trials, study=f"maxtext-{run.name}-tensors", space=space, target=target)
+    return search(run, storage, trials, study=study or f"maxtext-{run.name}-tensors", space=space, target=target)
 
 
 def published_trial(run: Run, report: StudyReport) -> TrialResult | None:
