@@ -253,7 +253,7 @@ def _traits(c: Configuration, reference: Configuration) -> frozenset[str]:
 def _effects(learnt: Mapping[str, tuple[frozenset[str], float]]) -> dict[str, float]:
     """Each trait's effect on the logarithm of a step's ratio: least squares (the least-norm
     solution where traits always come together) over the measured configurations' ``learnt``
-    (their traits, and the logarithm of their ratio over their guess without traits)."""
+    (their traits, and the logarithm of their ratio over their tokens' ratio)."""
     names = sorted(set().union(*(t for t, _ in learnt.values())))
     if not names:
         return {}
