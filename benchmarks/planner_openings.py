@@ -31,10 +31,10 @@ from optuna.trial import FrozenTrial, TrialState
 import remat_search
 from planner_predictions import DB, space_of
 from published_configs import RUNS
-from published_tensors import best_and_counts, tensor_study
+from published_tensors import CANDIDATE_STATUSES, best_and_counts, tensor_study
 from remat_search.report.results import trial_result
-from remat_search.search.configured_model import fit_configured
-from remat_search.search.cost_model import cost_model
+from remat_search.plans.configuration import cost as per_token
+from remat_search.search.configured_model import configured_model
 from remat_search.search.samplers import refused_configurations
 from remat_search.search.space import CONFIGURATION_PARAM
 from remat_search.store.attributes import PREDICTION_ATTR
@@ -56,7 +56,7 @@ def cost(t: FrozenTrial) -> float | None:
     m = result.measurement
     if m is None or m.step_seconds is None or result.plan is None or result.plan.configuration is None:
         return None
-    return m.step_seconds / result.plan.configuration.tokens_per_device
+    return per_token(m.step_seconds, result.plan.configuration)
 
 
 def replay(name: str, storage: str) -> list[str]:
@@ -72,12 +72,10 @@ def replay(name: str, storage: str) -> list[str]:
         if PREDICTION_ATTR not in t.user_attrs or configuration in {u.params.get(CONFIGURATION_PARAM) for u in before}:
             continue
         complete = [(trial_result(u), u.params) for u in before if u.state == TrialState.COMPLETE]
-        base = cost_model(complete, space)
-        model = fit_configured(base, complete, space) if base is not None else None
+        model = configured_model(complete, space)
         if model is None:
             continue
-        refused = refused_configurations(before)
-        model = model.model_copy(update={"maps": [m for m in model.maps if m.configuration.summary() not in refused]})
+        model = model.without(refused_configurations(before))
         opened = next((p for p in model.openings(budget) if p.configuration == configuration), None)
         measured, incumbent = cost(t), model.incumbent
         versus = "—" if measured is None or incumbent is None else f"{measured / incumbent:.3f}"
@@ -118,7 +116,7 @@ def found_at(name: str, storage: str) -> str:
     if best is None or not best.throughput:
         return f"| {name} | — | — | — | {candidates} | {compiled} | {minutes:.0f} min |"
     first = min(t.number for t in report.timed() if t.throughput and t.throughput >= best.throughput * (1 - 1e-4))
-    at = sum(1 for t in report.trials if t.number <= first and t.status in ("measured", "over_budget", "failed", "infeasible"))
+    at = sum(1 for t in report.trials if t.number <= first and t.status in CANDIDATE_STATUSES)
     return f"| {name} | {best.summary()} | {best.throughput:,.0f} | {at} | {candidates} | {compiled} | {minutes:.0f} min |"
 
 

@@ -23,8 +23,7 @@ from optuna.trial import TrialState
 
 from remat_search.report.results import trial_result
 from remat_search.search.configurations import configurations
-from remat_search.search.configured_model import fit_configured
-from remat_search.search.cost_model import cost_model
+from remat_search.search.configured_model import configured_model
 from remat_search.search.space import Space
 from remat_search.spec.loading import parse_spec
 from remat_search.spec.maxtext import maxtext_config
@@ -58,8 +57,7 @@ def errors(name: str, storage: str) -> list[tuple[int, str, float, float]]:
         if result.measurement is None or result.measurement.status != "measured" or result.measurement.step_seconds is None:
             continue
         before = [(trial_result(u), u.params) for u in trials[:i]]
-        base = cost_model(before, space)
-        model = fit_configured(base, before, space) if base is not None else None
+        model = configured_model(before, space)
         choices = space.choices(t.params, any_configuration=True)
         predicted = model.predict(choices, t.params["configuration"]) if model and choices else None
         if predicted is not None:

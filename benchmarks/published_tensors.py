@@ -45,6 +45,9 @@ PROGRAMS = HERE / "results" / "published_programs"
 TRIALS = 12
 """Candidates a run's study compiles at the least (issue 48): the published one, the presets, the planner's."""
 
+CANDIDATE_STATUSES = ("measured", "over_budget", "failed", "infeasible")
+"""The trials counted as candidates: compiled (or refused by MaxText); not those a stopped sitting cut off."""
+
 TENSORS_2023 = ("decoder_layer_input", *QKV, "context", "attention_out", "out_proj", "mlpwi", "mlpwo")
 """What MaxText 0.2.5's ``decoder_block: default`` (the 2023 runs' model: ReLU MLP) tags, as
 traced on v5e-32b's slice (the study's ``device_info.traced_bytes``)."""
@@ -132,7 +135,7 @@ def best_and_counts(report: StudyReport) -> tuple[TrialResult | None, int, int]:
     (its out-of-memory refusals among them; not those the cost model screened out over the budget)."""
     timed = report.timed()
     best = min(timed, key=rank) if timed else None
-    candidates = sum(1 for t in report.trials if t.status in ("measured", "over_budget", "failed", "infeasible"))
+    candidates = sum(1 for t in report.trials if t.status in CANDIDATE_STATUSES)
     compiled = sum(1 for t in report.trials if t.measurement is not None and t.measurement.compiled)
     return best, candidates, compiled
 

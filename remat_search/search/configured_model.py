@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from remat_search.plans.configuration import Configuration
+from remat_search.plans.configuration import Configuration, cost
 from remat_search.report.results import TrialResult, trial_result
 from remat_search.search.cost_model import CostModel, Prediction, cost_model
 from remat_search.search.space import CONFIGURATION_PARAM, Space
@@ -150,6 +150,11 @@ class ConfiguredModel(BaseModel):
                 front.append(p)
         return front
 
+    def without(self, configurations: set[str]) -> ConfiguredModel:
+        """The model with no map for the configurations labelled ``configurations`` (those the
+        workload refused: no plan there is proposed)."""
+        return self.model_copy(update={"maps": tuple(m for m in self.maps if m.configuration.summary() not in configurations)})
+
     def openings(self, budget: float) -> list[ConfiguredPrediction]:
         """For each configuration nothing was measured at, its fastest plan predicted to fit
         ``budget`` (with the model's margin), least predicted time per token first: those worth
@@ -160,8 +165,10 @@ class ConfiguredModel(BaseModel):
         error = self.guess_error
         openings = []
         for m in self.maps:
+            if m.measured:
+                continue
             fitting = [p for p in self.front(m.configuration.summary()) if p.peak * (1 + self.margin) <= budget]
-            if m.measured or not fitting:
+            if not fitting:
                 continue
             best = min(fitting, key=lambda p: p.cost)
             if m.novel or error is None or self.incumbent is None or best.cost / error < self.incumbent:
@@ -235,7 +242,7 @@ def fit_configured(base: CostModel, trials: Iterable[tuple[TrialResult, Mapping[
     by_label = {c.summary(): c for c in space.configurations}
     return model.model_copy(update={
         "maps": tuple(maps),
-        "incumbent": min((t / by_label[s.configuration].tokens_per_device for s, t in timed if s.configuration in by_label), default=None),
+        "incumbent": min((cost(t, by_label[s.configuration]) for s, t in timed if s.configuration in by_label), default=None),
         "guess_error": _guess_error(learnt),
     })
 
@@ -276,11 +283,17 @@ def _guess_error(learnt: Mapping[str, tuple[frozenset[str], float]]) -> float | 
     return max(misses, default=None)
 
 
+def configured_model(complete: Sequence[tuple[TrialResult, Mapping[str, object]]], space: Space) -> ConfiguredModel | None:
+    """The model of ``space``'s configurations fitted to ``complete`` trials (with their
+    parameters), as the planner fits it; None while the reference's per-layer model cannot be fitted."""
+    base = cost_model(complete, space)
+    return None if base is None else fit_configured(base, complete, space)
+
+
 def study_configured_model(study: optuna.Study, space: Space) -> ConfiguredModel | None:
     """The model of an open study of configurations, as its planner sees it (through optuna);
     None while the reference's per-layer model cannot be fitted."""
     from optuna.trial import TrialState
 
-    complete = [(trial_result(t), t.params) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
-    base = cost_model(complete, space)
-    return None if base is None else fit_configured(base, complete, space)
+    return configured_model(
+        [(trial_result(t), t.params) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))], space)

@@ -168,7 +168,7 @@ class PlannerSampler(Sampler):
             tried.add((self._space.choices(params, any_configuration=True), params.get(CONFIGURATION_PARAM)))
         refused = refused_configurations(trials)
         # the workload refuses those configurations (an infeasible trial: MaxText refuses its mesh): no more of them
-        model = model.model_copy(update={"maps": [m for m in model.maps if m.configuration.summary() not in refused]})
+        model = model.without(refused)
         for prediction in model.openings(self._budget):
             if (prediction.choices, prediction.configuration) not in tried:
                 return prediction, self._budget, model.base.observations, model.margin
