@@ -2,6 +2,7 @@
 
     python benchmarks/maxtext_estimator.py --runs v5p-32b   # MaxText's estimator on it, its answer priced (kept: a run done is not run again)
     python benchmarks/maxtext_estimator.py --report         # the page again from what is kept, compiling nothing
+    python benchmarks/maxtext_estimator.py --frontier --runs v5e-16b   # its mode 2 too: the batch/policy frontier, each point priced
 
 MaxText 0.2.5 ships a search of its own: for a config it orders the tensors its layer tags by a
 shape score and walks each from ``device`` to ``offload`` to ``remat``, asking MaxText's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import re
 import subprocess
@@ -35,6 +37,7 @@ from published_configs import SYNTHETIC, Run, batch, search  # benchmarks/ is th
 from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, searched, tensors
 
 import remat_search
+from remat_search.plans.configuration import BATCH_AXES
 from remat_search.report.results import StudyReport, TrialResult
 
 KEPT = HERE / "results" / "maxtext_estimator.json"
@@ -52,11 +55,13 @@ def topology_name(run: Run) -> str:
                 if name.startswith(chip + "-") and s.topology_name == wanted)
 
 
-def argv(run: Run) -> list[str]:
-    """The run as MaxText's command line takes it: its config, its batch and mesh, the slice."""
+def argv(run: Run, frontier: bool = False) -> list[str]:
+    """The run as MaxText's command line takes it: its config, its batch and mesh, the slice; for
+    the ``frontier``, without ``per_device_batch_size`` (the estimator's mode 2 searches it)."""
     from maxtext.configs import pyconfig
 
-    keys = {**run.model, **SYNTHETIC, "max_target_length": run.seq, "per_device_batch_size": run.per_device_batch,
+    keys = {**run.model, **SYNTHETIC, "max_target_length": run.seq,
+            **({} if frontier else {"per_device_batch_size": run.per_device_batch}),
             **{f"ici_{axis}_parallelism": n for axis, n in run.mesh.items()},
             **{key: values[0] for key, values in run.settings.items()},
             "compile_topology": topology_name(run), "compile_topology_num_slices": 1, "hardware": "tpu",
@@ -69,26 +74,30 @@ VERDICT = re.compile(r"Is OOM: (True|False)")
 ANSWER = re.compile(r"Found valid combo: pdb=(\S+), policy=(\{.*\})")
 
 
-def estimate(run: Run) -> dict[str, Any]:
-    """MaxText's estimator on ``run``: each policy it compiled and whether it fit, its answer, its minutes."""
+def estimate(run: Run, frontier: bool = False) -> dict[str, Any]:
+    """MaxText's estimator on ``run``: each policy it compiled and whether it fit, its answer, its
+    minutes; for the ``frontier`` (its mode 2), each batch too, and every point it prints."""
     LOGS.mkdir(parents=True, exist_ok=True)
-    log = LOGS / f"{run.name}.log"
+    log = LOGS / f"{run.name}{'-frontier' if frontier else ''}.log"
     env = {**os.environ, "LIBTPU_INIT_ARGS": run.flags, "TF_CPP_MIN_LOG_LEVEL": "2",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # this process's own studies have loaded libtpu
     start = time.monotonic()
     with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "maxtext.utils.estimator", *argv(run)], env=env,
+        done = subprocess.run([sys.executable, "-m", "maxtext.utils.estimator", *argv(run, frontier)], env=env,
                               stdout=out, stderr=subprocess.STDOUT, check=False)
     minutes = (time.monotonic() - start) / 60
     text = "".join(line for line in log.read_text().splitlines(keepends=True) if "Config param" not in line)
     log.write_text(text)  # kept without MaxText's banner of every config key
-    asked = [ast.literal_eval(m.group(2)) for m in CHECK.finditer(text)]
+    asked = [(float(m.group(1)), ast.literal_eval(m.group(2))) for m in CHECK.finditer(text)]
     fits = [m.group(1) == "False" for m in VERDICT.finditer(text)]
-    answer = ANSWER.search(text)
+    answers = [(float(m.group(1)), ast.literal_eval(m.group(2))) for m in ANSWER.finditer(text)]
     error = text.strip().splitlines()[-1] if done.returncode and text.strip() else None
-    return {"exit": done.returncode, "error": error, "compiles": len(asked), "minutes": round(minutes, 1),
-            "asked": [{"policy": p, "fits": f} for p, f in zip(asked, fits, strict=False)],
-            "answer": ast.literal_eval(answer.group(2)) if answer else None}
+    kept: dict[str, Any] = {"exit": done.returncode, "error": error, "compiles": len(asked), "minutes": round(minutes, 1)}
+    if not frontier:
+        return {**kept, "asked": [{"policy": p, "fits": f} for (_, p), f in zip(asked, fits, strict=False)],
+                "answer": answers[0][1] if answers else None}
+    return {**kept, "asked": [{"batch": b, "policy": p, "fits": f} for (b, p), f in zip(asked, fits, strict=False)],
+            "points": [{"batch": b, "policy": p} for b, p in answers] if not done.returncode else None}
 
 
 def answer_point(run: Run, policy: dict[str, str]) -> Any:
@@ -110,6 +119,36 @@ def priced(run: Run, policy: dict[str, str], storage: str) -> StudyReport:
                   configuration=configuration)
 
 
+def frontier_points(run: Run, points: list[dict[str, Any]]) -> dict[float, list[dict[str, Any]]]:
+    """The estimator's frontier as points of the run's per-tensor space, by batch, one a plan (it
+    also sets ``kv_proj``, which no model here tags, so two of its points may be one plan)."""
+    by_batch: dict[float, dict[str, Any]] = {}
+    for p in points:
+        at = by_batch.setdefault(p["batch"], {})
+        point = answer_point(run, p["policy"])
+        if str(point["per_name"]) not in at:
+            at[str(point["per_name"])] = {**point, "label": f"frontier_{len(at)}"}
+    return {pdb: list(at.values()) for pdb, at in sorted(by_batch.items())}
+
+
+def frontier_name(run: Run, pdb: float) -> str:
+    return f"maxtext-{run.name}-frontier-{pdb:g}"
+
+
+def frontier_studies(run: Run, points: list[dict[str, Any]], storage: str) -> None:
+    """The estimator's frontier compiled by remat-search, each point at its own batch (no
+    accumulation: the global batch is the point's), the published mesh, priced at the run's
+    calibration: one study a batch (:func:`frontier_name`), its points its only candidates."""
+    calibration = PROGRAMS / f"{group(run.chip)}.json"
+    target = {"platform": "tpu", "topology": run.topology, "calibration": str(calibration)}
+    data_ways = math.prod(n for axis, n in run.mesh.items() if axis in BATCH_AXES)  # the devices a batch is split over
+    for pdb, at in frontier_points(run, points).items():
+        space = {"layout": "tensors", "tensors": list(tensors(run)), "points": at}
+        configuration = {"batch": [round(pdb * run.chips / data_ways)], "mesh": [run.mesh]}
+        search(run, storage, len(at), study=frontier_name(run, pdb), space=space, target=target,
+               configuration=configuration)
+
+
 def shown(run: Run, policy: dict[str, str]) -> str:
     """The estimator's answer by the names the run's model tags (it sets ``kv_proj`` too, which none does)."""
     where = {place: sorted(n for n, p in policy.items() if p == place and n in tensors(run)) for place in ("device", "offload")}
@@ -129,19 +168,42 @@ def row(run: Run, kept: dict[str, Any], theirs: StudyReport | None, ours: StudyR
         return f"| {run.name} | — | failed: {kept.get('error') or 'no answer'} | {kept['compiles']} | {kept['minutes']:.0f} min | — | — | — | — | — |"
     answer = theirs.trials[0] if theirs and theirs.trials else None
     best, _, compiled = best_and_counts(ours) if ours else (None, 0, 0)
-    versus, reached = "—", "—"
-    if best is not None and ours is not None:
-        reached = str(compiles_until(ours, best.number))
-    if answer is not None and answer.throughput and best is not None and best.throughput:
-        estimate = best.measurement.estimate if best.measurement else None
-        gain = best.throughput / answer.throughput - 1
-        inside = estimate is not None and estimate.band is not None and 1 + abs(gain) < estimate.band[1] / estimate.band[0]
-        versus = f"{gain:+.1%}" + (" (inside the band)" if inside else "")
+    reached = str(compiles_until(ours, best.number)) if best is not None and ours is not None else "—"
     fits = f"{sum(a['fits'] for a in kept['asked'])} of {kept['compiles']} fit"
     published = published_trial(run, ours) if ours else None
     return (f"| {run.name} | {throughput(published)} | {shown(run, kept['answer'])} | {kept['compiles']} ({fits}) | {kept['minutes']:.0f} min | "
             f"{throughput(answer)} | {best.summary() if best else '—'} | {throughput(best)} | "
-            f"{compiled} (found at {reached}) | {versus} |")
+            f"{compiled} (found at {reached}) | {versus(best, answer)} |")
+
+
+def frontier_row(run: Run, kept: dict[str, Any], priced: list[TrialResult], ours: StudyReport | None) -> str:
+    """The estimator's frontier on ``run``: its points, its compiles, its fastest point by our
+    calibrated estimate, beside our answer at the published global batch."""
+    if not kept.get("points"):
+        return (f"| {run.name} | failed: {kept.get('error') or 'no point'} | {kept['compiles']} | {kept['minutes']:.0f} min | "
+                "— | — | — | — | — | — | — | — |")
+    timed = [t for t in priced if t.status == "measured" and t.throughput]
+    within = [t for t in timed if t.plan is not None and t.plan.configuration is not None
+              and t.plan.configuration.batch <= batch(run)]  # no larger a global batch than the published one
+    fastest = max(timed, key=lambda t: t.throughput or 0) if timed else None
+    fastest_within = max(within, key=lambda t: t.throughput or 0) if within else None
+    best = best_and_counts(ours)[0] if ours else None
+    points = ", ".join(f"{p['batch']:g}" for p in kept["points"])
+    fits = f"{sum(a['fits'] for a in kept['asked'])} of {kept['compiles']} fit"
+    return (f"| {run.name} | {len(kept['points'])} (batch {points}) | {kept['compiles']} ({fits}) | {kept['minutes']:.0f} min | "
+            f"{fastest.summary() if fastest else '—'} | {throughput(fastest)} | "
+            f"{fastest_within.summary() if fastest_within else 'none'} | {throughput(fastest_within)} | "
+            f"{best.summary() if best else '—'} | {throughput(best)} | {versus(best, fastest)} | {versus(best, fastest_within)} |")
+
+
+def versus(ours: TrialResult | None, theirs: TrialResult | None) -> str:
+    """Our answer's estimated throughput over theirs, marked where the gain is inside our estimate's band."""
+    if ours is None or theirs is None or not ours.throughput or not theirs.throughput:
+        return "—"
+    estimate = ours.measurement.estimate if ours.measurement else None
+    gain = ours.throughput / theirs.throughput - 1
+    inside = estimate is not None and estimate.band is not None and 1 + abs(gain) < estimate.band[1] / estimate.band[0]
+    return f"{gain:+.1%}" + (" (inside the band)" if inside else "")
 
 
 def compiles_until(report: StudyReport, number: int) -> int:
@@ -165,7 +227,7 @@ def shortfall(run: Run, kept: dict[str, Any], theirs: StudyReport | None, ours: 
     return f"- {run.name}: {'; '.join(said)}." if said else None
 
 
-def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
+def page(rows: list[str], missing: list[str], shortfalls: list[str], frontiers: list[str]) -> str:
     return "\n".join([
         "# MaxText's own estimator beside remat-search, on the published runs", "",
         "Command: `python benchmarks/maxtext_estimator.py`. "
@@ -189,13 +251,37 @@ def page(rows: list[str], missing: list[str], shortfalls: list[str]) -> str:
         "published `minimal`, by `show --trial`), and where it offloads, the host link is priced in. Every "
         "v5 estimate that offloads is outside the calibration's samples (no v5 sample offloads): the comparison "
         "there rests on the model's pricing of the host link alone; the v6e samples offload, so the v6e rows do not."), "",
+        *(frontier_section(frontiers) if frontiers else []),
     ])
+
+
+def frontier_section(frontiers: list[str]) -> list[str]:
+    return [
+        "## Its frontier (mode 2: the batch searched too)", "",
+        ("`python benchmarks/maxtext_estimator.py --frontier --runs RUN`. Without `per_device_batch_size` the "
+         "estimator searches the batch too: the largest batch that fits with every tensor recomputed (a binary "
+         "search of out-of-memory compiles), then, policy by policy from there towards every tensor on the device, "
+         "the largest batch that still fits. It prints each (batch, policy) point and picks none. Each point is "
+         "compiled here by remat-search at its own batch (no accumulation: its global batch is the point's, not "
+         "the published one), the published mesh, and priced at the run's calibration (`maxtext-<run>-frontier-<batch>`). "
+         "Its fastest point by that estimate is set beside our answer, which keeps the published global batch: "
+         "a larger global batch is another training run, so where its fastest point's batch is larger than the "
+         "published one the two do not train alike. Its compiles are those it asked for (its out-of-memory "
+         "refusals included), not our pricing's."), "",
+        ("| run | its points (batch a chip) | its compiles | its wall | its fastest point | its est. tokens/s | "
+         "its fastest at no larger a batch than the published | its est. tokens/s | ours | our est. tokens/s | "
+         "ours vs its fastest | ours vs its fastest at no larger a batch |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *frontiers, "",
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="*", default=[r.name for r in searched()], help="which searched runs (default: all eight)")
     parser.add_argument("--report", action="store_true", help="write the page from what is kept, compiling nothing")
+    parser.add_argument("--frontier", action="store_true",
+                        help="run the estimator's mode 2 too (no per_device_batch_size: its batch/policy frontier) and price its points")
     args = parser.parse_args()
     storage = f"sqlite:///{DB}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -207,7 +293,14 @@ def main() -> None:
             print(run.name, kept[run.name]["compiles"], "compiles", kept[run.name]["answer"], flush=True)
         if kept[run.name]["answer"] is not None:
             priced(run, kept[run.name]["answer"], storage)
-    rows, missing, shortfalls = [], [], []
+        if args.frontier:
+            if kept[run.name].get("frontier", {}).get("points") is None:
+                kept[run.name]["frontier"] = estimate(run, frontier=True)
+                KEPT.write_text(json.dumps(kept, indent=1) + "\n")
+                print(run.name, "frontier:", kept[run.name]["frontier"]["compiles"], "compiles", flush=True)
+            if kept[run.name]["frontier"]["points"]:
+                frontier_studies(run, kept[run.name]["frontier"]["points"], storage)
+    rows, missing, shortfalls, frontiers = [], [], [], []
     for run in searched():
         if run.name not in kept:
             missing.append(run.name)
@@ -216,7 +309,14 @@ def main() -> None:
         rows.append(row(run, kept[run.name], *studies))
         shortfalls += [line] if (line := shortfall(run, kept[run.name], *studies)) else []
         print(rows[-1], flush=True)
-    PAGE.write_text(page(rows, missing, shortfalls))
+        if "frontier" in kept[run.name]:
+            priced_points = []  # each batch's points: its study's first trials, one a point (the presets queued after them are not run)
+            for pdb, at in frontier_points(run, kept[run.name]["frontier"]["points"] or []).items():
+                report = load(frontier_name(run, pdb), storage)
+                priced_points += [t for t in report.trials if t.number < len(at)] if report else []
+            frontiers.append(frontier_row(run, kept[run.name]["frontier"], priced_points, studies[1]))
+            print(frontiers[-1], flush=True)
+    PAGE.write_text(page(rows, missing, shortfalls, frontiers))
     print(f"wrote {PAGE}")
 
 
