@@ -113,8 +113,8 @@ def programs() -> list[Program]:
 
 FIGURES = ("hbm", "ici", "host_link")
 """What a fit of the cycles' pricing may move: the HBM of the instructions without cycles, the
-ICI, the host link (an assumption on a TPU). The matmul figure scales only those same
-instructions' FLOPs, and is left at the datasheet's."""
+ICI, the host link (an assumption on a TPU). The matmul figure stays at the datasheet's: it
+would scale the cycles too (carried as matmul FLOPs), and only ever slow them down."""
 
 
 def fitted(samples: list[Program]) -> Efficiencies:
@@ -126,18 +126,12 @@ def fitted(samples: list[Program]) -> Efficiencies:
     return fit(works, chips, [p.measured for p in samples], told)
 
 
-def family_left_out(found: list[Program], group: str | None) -> dict[str, tuple[float, Efficiencies]]:
-    """Each program's cycles' estimate fitted on the samples of its chip group (``group`` None: all)
-    outside its family; a held-out run, on every sample of the group."""
-    samples = [p for p in found if not p.held_out and (group is None or GROUPS[p.chip] == group)]
-    out = {}
-    for p in found:
-        if group is not None and GROUPS[p.chip] != group:
-            continue
-        others = [q for q in samples if q.family != p.family]
-        figures = fitted(others)
-        out[p.label] = (price(p.cycles, chip_of(p.chip), figures).seconds, figures)
-    return out
+def family_left_out(found: list[Program], group: str) -> dict[str, float]:
+    """Each program's cycles' estimate fitted on the samples of its chip group outside its family;
+    a held-out run's, on every sample of the group."""
+    samples = [p for p in found if not p.held_out and GROUPS[p.chip] == group]
+    return {p.label: price(p.cycles, chip_of(p.chip), fitted([q for q in samples if q.family != p.family])).seconds
+            for p in found if GROUPS[p.chip] == group}
 
 
 def summary(ratios: list[float]) -> str:
@@ -191,7 +185,7 @@ def page() -> str:
         model = price(p.work, chip, UNCALIBRATED).seconds / p.measured
         calibrated = (held.get(p.label) or lofo_model[p.label]) / p.measured
         cycles = price(p.cycles, chip, UNCALIBRATED).seconds / p.measured
-        fit_cycles = lofo_cycles[p.label][0] / p.measured
+        fit_cycles = lofo_cycles[p.label] / p.measured
         if not p.held_out:
             for k, v in zip(columns, (model, calibrated, cycles, fit_cycles), strict=True):
                 columns[k].append(v)
