@@ -25,7 +25,6 @@ sample's family left out. Writes ``benchmarks/results/compiler_cycles.md``.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import re
 import statistics
@@ -68,6 +67,12 @@ class Program:
     held_out: bool
 
 
+def read(path: Path, chip: Chip) -> tuple[Work, dict[str, int]]:
+    """A kept program's work, and the cycles the compiler estimated for each instruction that has them."""
+    text = read_program(path)
+    return read_work(text, chip.mxu), {m.group(1): int(m.group(2)) for line in text.splitlines() if (m := CYCLES.match(line))}
+
+
 def clock(chip: str) -> float:
     """The chip's clock (Hz): its bf16 peak over :data:`FLOPS_PER_CYCLE`."""
     return chip_of(chip).bf16_flops / FLOPS_PER_CYCLE[chip]
@@ -98,11 +103,8 @@ def programs() -> list[Program]:
                for s in json.loads((PROGRAMS / "held_out" / "samples.json").read_text())]
     found = []
     for s, path, held_out in listed:
-        with gzip.open(path, "rt") as f:
-            text = f.read()
-        cycles = {m.group(1): int(m.group(2)) for line in text.splitlines() if (m := CYCLES.match(line))}
         chip = chip_of(s["chip"])
-        work = read_work(read_program(path), chip.mxu)
+        work, cycles = read(path, chip)
         priced, covered, expected = with_cycles(work, cycles, chip, FLOPS_PER_CYCLE[s["chip"]])
         fastest = max(op.mxu_flops / cycles[op.name] for ops in work.computations.values() for op in ops
                       if op.priced and op.name in cycles and op.mxu_flops > 1e9)
@@ -148,9 +150,7 @@ def wide_tensor_rows() -> list[str]:
         (path.name.removesuffix(".hlo.gz"), path) for path in sorted((HERE / "results" / "wide_tensor").glob("*.hlo.gz"))]
     rows, first = [], None
     for name, path in paths:
-        with gzip.open(path, "rt") as f:
-            cycles = {m.group(1): int(m.group(2)) for line in f if (m := CYCLES.match(line))}
-        work = read_work(read_program(path), chip.mxu)
+        work, cycles = read(path, chip)
         model = price(work, chip, calibration)
         by_cycles = price(with_cycles(work, cycles, chip, FLOPS_PER_CYCLE["v5p"])[0], chip)
         first = first or (model.seconds, by_cycles.seconds)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import os
 import re
 import subprocess
@@ -37,7 +36,6 @@ from published_configs import SYNTHETIC, Run, batch, search  # benchmarks/ is th
 from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, searched, tensors
 
 import remat_search
-from remat_search.plans.configuration import BATCH_AXES
 from remat_search.report.results import StudyReport, TrialResult
 
 KEPT = HERE / "results" / "maxtext_estimator.json"
@@ -109,13 +107,16 @@ def answer_point(run: Run, policy: dict[str, str]) -> Any:
     return {"label": "maxtext_estimator", "per_name": {"device": kept, "offload": offloaded}}
 
 
+def calibrated(run: Run) -> dict[str, str]:
+    """The run's slice as a target priced at its chip group's calibration (``published_tensors``'s)."""
+    return {"platform": "tpu", "topology": run.topology, "calibration": str(PROGRAMS / f"{group(run.chip)}.json")}
+
+
 def priced(run: Run, policy: dict[str, str], storage: str) -> StudyReport:
     """The estimator's answer compiled by remat-search alone, at the published batch and mesh, priced at the run's calibration."""
-    calibration = PROGRAMS / f"{group(run.chip)}.json"
     space = {"layout": "tensors", "tensors": list(tensors(run)), "points": [answer_point(run, policy)]}
-    target = {"platform": "tpu", "topology": run.topology, "calibration": str(calibration)}
     configuration = {"batch": [batch(run)], "global_batch": run.chips * run.per_device_batch, "mesh": [run.mesh]}
-    return search(run, storage, 1, study=f"maxtext-{run.name}-estimator", space=space, target=target,
+    return search(run, storage, 1, study=f"maxtext-{run.name}-estimator", space=space, target=calibrated(run),
                   configuration=configuration)
 
 
@@ -139,13 +140,10 @@ def frontier_studies(run: Run, points: list[dict[str, Any]], storage: str) -> No
     """The estimator's frontier compiled by remat-search, each point at its own batch (no
     accumulation: the global batch is the point's), the published mesh, priced at the run's
     calibration: one study a batch (:func:`frontier_name`), its points its only candidates."""
-    calibration = PROGRAMS / f"{group(run.chip)}.json"
-    target = {"platform": "tpu", "topology": run.topology, "calibration": str(calibration)}
-    data_ways = math.prod(n for axis, n in run.mesh.items() if axis in BATCH_AXES)  # the devices a batch is split over
     for pdb, at in frontier_points(run, points).items():
         space = {"layout": "tensors", "tensors": list(tensors(run)), "points": at}
-        configuration = {"batch": [round(pdb * run.chips / data_ways)], "mesh": [run.mesh]}
-        search(run, storage, len(at), study=frontier_name(run, pdb), space=space, target=target,
+        configuration = {"batch": [round(pdb * batch(run) / run.per_device_batch)], "mesh": [run.mesh]}  # batch()'s terms
+        search(run, storage, len(at), study=frontier_name(run, pdb), space=space, target=calibrated(run),
                configuration=configuration)
 
 
@@ -169,9 +167,8 @@ def row(run: Run, kept: dict[str, Any], theirs: StudyReport | None, ours: StudyR
     answer = theirs.trials[0] if theirs and theirs.trials else None
     best, _, compiled = best_and_counts(ours) if ours else (None, 0, 0)
     reached = str(compiles_until(ours, best.number)) if best is not None and ours is not None else "—"
-    fits = f"{sum(a['fits'] for a in kept['asked'])} of {kept['compiles']} fit"
     published = published_trial(run, ours) if ours else None
-    return (f"| {run.name} | {throughput(published)} | {shown(run, kept['answer'])} | {kept['compiles']} ({fits}) | {kept['minutes']:.0f} min | "
+    return (f"| {run.name} | {throughput(published)} | {shown(run, kept['answer'])} | {fitted(kept)} | {kept['minutes']:.0f} min | "
             f"{throughput(answer)} | {best.summary() if best else '—'} | {throughput(best)} | "
             f"{compiled} (found at {reached}) | {versus(best, answer)} |")
 
@@ -189,8 +186,7 @@ def frontier_row(run: Run, kept: dict[str, Any], priced: list[TrialResult], ours
     fastest_within = max(within, key=lambda t: t.throughput or 0) if within else None
     best = best_and_counts(ours)[0] if ours else None
     points = ", ".join(f"{p['batch']:g}" for p in kept["points"])
-    fits = f"{sum(a['fits'] for a in kept['asked'])} of {kept['compiles']} fit"
-    return (f"| {run.name} | {len(kept['points'])} (batch {points}) | {kept['compiles']} ({fits}) | {kept['minutes']:.0f} min | "
+    return (f"| {run.name} | {len(kept['points'])} (batch {points}) | {fitted(kept)} | {kept['minutes']:.0f} min | "
             f"{fastest.summary() if fastest else '—'} | {throughput(fastest)} | "
             f"{fastest_within.summary() if fastest_within else 'none'} | {throughput(fastest_within)} | "
             f"{best.summary() if best else '—'} | {throughput(best)} | {versus(best, fastest)} | {versus(best, fastest_within)} |")
@@ -204,6 +200,11 @@ def versus(ours: TrialResult | None, theirs: TrialResult | None) -> str:
     gain = ours.throughput / theirs.throughput - 1
     inside = estimate is not None and estimate.band is not None and 1 + abs(gain) < estimate.band[1] / estimate.band[0]
     return f"{gain:+.1%}" + (" (inside the band)" if inside else "")
+
+
+def fitted(kept: dict[str, Any]) -> str:
+    """The estimator's compiles, and how many of them fit."""
+    return f"{kept['compiles']} ({sum(a['fits'] for a in kept['asked'])} of {kept['compiles']} fit)"
 
 
 def compiles_until(report: StudyReport, number: int) -> int:
