@@ -33,7 +33,7 @@ from typing import Any
 
 import optuna
 from published_configs import SYNTHETIC, Run, batch, search  # benchmarks/ is the script's folder
-from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, searched, tensors
+from published_tensors import DB, HERE, PROGRAMS, best_and_counts, group, published_trial, rebanded, searched, tensors
 
 import remat_search
 from remat_search.report.results import StudyReport, TrialResult
@@ -306,14 +306,14 @@ def main() -> None:
         if run.name not in kept:
             missing.append(run.name)
             continue
-        studies = load(f"maxtext-{run.name}-estimator", storage), load(f"maxtext-{run.name}-tensors", storage)
+        studies = load(run, f"maxtext-{run.name}-estimator", storage), load(run, f"maxtext-{run.name}-tensors", storage)
         rows.append(row(run, kept[run.name], *studies))
         shortfalls += [line] if (line := shortfall(run, kept[run.name], *studies)) else []
         print(rows[-1], flush=True)
         if "frontier" in kept[run.name]:
             priced_points = []  # each batch's points: its study's first trials, one a point (the presets queued after them are not run)
             for pdb, at in frontier_points(run, kept[run.name]["frontier"]["points"] or []).items():
-                report = load(frontier_name(run, pdb), storage)
+                report = load(run, frontier_name(run, pdb), storage)
                 priced_points += [t for t in report.trials if t.number < len(at)] if report else []
             frontiers.append(frontier_row(run, kept[run.name]["frontier"], priced_points, studies[1]))
             print(frontiers[-1], flush=True)
@@ -321,9 +321,10 @@ def main() -> None:
     print(f"wrote {PAGE}")
 
 
-def load(name: str, storage: str) -> StudyReport | None:
+def load(run: Run, name: str, storage: str) -> StudyReport | None:
+    """Study ``name`` of ``run``, its bands read by today's rule (:func:`published_tensors.rebanded`); None if not run yet."""
     try:
-        return remat_search.load_report(name, storage)
+        return rebanded(run, remat_search.load_report(name, storage))
     except Exception:  # noqa: BLE001 - a study not run yet
         return None
 

@@ -570,8 +570,8 @@ def calibrated_lines(calibration: Any, steps: dict[str, float], name: str) -> li
         f"{family_out}. Fitted on all {len(loo)} "
         f"({', '.join(calibration.fitted)}): matmuls at {e.matmul:.3f} of peak, HBM at {e.hbm:.3f}, ICI at {e.ici:.3f}, "
         f"host link at {e.host_link:.3f} of the assumed 15 GB/s, {e.launch_seconds * 1e6:.1f} µs an instruction; "
-        f"bands (published / estimate, a family left out): {bands}. What it says of another model is this spread, "
-        "not a promise.\n",
+        f"bands (published / estimate, a family left out, a 95% prediction interval counted by family: "
+        f"`Calibration.band`): {bands}. What it says of another model is this interval, not a promise.\n",
     ]
 
 
@@ -628,7 +628,7 @@ def held_out_lines(calibrations: dict[str, Any]) -> list[str]:
         "(`published_programs/held_out/`): no calibration is fitted on it and no study searches it. Priced by the "
         "calibration of its chip's group and by the one of all, as a study on a new model would be: the estimate, "
         "its ratio to the published step, the band the study would print beside it (published / estimate, its kind of "
-        "plan's, a family left out), whether the published step lands inside it, and the study's marks; then, at the "
+        "plan's 95% prediction interval, a family left out), whether the published step lands inside it, and the study's marks; then, at the "
         "datasheet's figures, the time its matmuls take at the chip's peak over the published step (how close to the "
         "peak the run ran them) and the collectives the model waits for; last, the estimate with every collective free, "
         "over the published step. The matmul ratio over the calibration's samples: "

@@ -318,7 +318,8 @@ def calibration_table(calibration: Calibration) -> Group:
         band = calibration.band(kind)  # type: ignore[arg-type]
         assert band is not None
         lines.append(Text(f"{kind}: error up to {error:.1%} with its model family left out, over "
-                          f"{calibration.families} families (measured / estimate {band[0]:.3f}-{band[1]:.3f})"))
+                          f"{calibration.families} families; its band, a 95% prediction interval of measured / "
+                          f"estimate: {band[0]:.3f}-{band[1]:.3f}"))
     return Group(table, *lines)
 
 

@@ -11,8 +11,9 @@ measured two ways: each sample's **leave-one-out** estimate (fitted on all the o
 on the one left out), and its **leave-one-family-out** estimate (fitted on the samples of every
 other model family, priced on its family's: a model's runs at every chip count and batch left
 out together, so that a sibling run does not stand in for the model). The band of a kind of plan
-(keep / recompute / offload) is the lowest and highest measured / leave-one-family-out ratio
-among its samples: what the calibration says of a model it never saw. A study that names a
+(keep / recompute / offload) is a 95% prediction interval of the measured / leave-one-family-out
+ratios of its samples, counted by model family (:meth:`Calibration.band`): what the calibration
+says of a model it never saw. A study that names a
 calibration (``target.calibration``) prices every candidate with its figures and carries that
 band with each estimate; ``show`` and ``best`` state it.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -40,9 +42,12 @@ from remat_search.targets.work import Work, read_work
 PlanKind = Literal["keep", "recompute", "offload"]
 """What a plan does with its layers' activations: keeps them all (no remat), recomputes some,
 or offloads some to host memory (whatever else it does)."""
-KINDS: tuple[PlanKind, ...] = ("keep", "recompute", "offload")
-FIGURES = ("matmul", "hbm", "ici", "host_link", "host_overlap", "launch_seconds")
-"""The free figures a calibration may fit (:class:`Efficiencies`' fields)."""
+BAND_COVERAGE = 0.95
+"""How often the step of a model a calibration never saw should land inside the band it prints
+(:meth:`Calibration.band`): the band is a prediction interval at this coverage."""
+BAND_SAMPLES = 3
+"""The fewest samples of a kind of plan that band it alone; with fewer, every sample does: one or
+two ratios are not a spread."""
 _FLOOR = 0.05
 """The least fraction of a peak a fitted figure may be."""
 _LAUNCH_BOUND = 1e-4
@@ -134,12 +139,30 @@ class Calibration(BaseModel):
     samples: tuple[Fitted, ...]
 
     def band(self, kind: PlanKind | None = None) -> tuple[float, float] | None:
-        """Measured / held-out estimate (leave-one-family-out where measured:
-        :attr:`Fitted.held_out_seconds`), lowest and highest, over the samples of ``kind`` (all
-        samples where it has none, or ``kind`` is None); None without samples."""
-        chosen = [s for s in self.samples if s.kind == kind] or list(self.samples)
+        """Where the step of a model this calibration never saw should land, as multiples of its
+        estimate (measured / estimate), :data:`BAND_COVERAGE` of the time: a prediction interval
+        of the samples' measured / held-out estimate (leave-one-family-out where measured:
+        :attr:`Fitted.held_out_seconds`), never narrower than their own lowest and highest.
+
+        The samples are those of ``kind`` where it has :data:`BAND_SAMPLES` or more, else every
+        sample (also where ``kind`` is None). Their log ratios' mean ± Student's t times their
+        standard deviation and √(1 + 1/n), with n their model families (where two or more; else
+        their number): a model's runs at several chip counts err together, so it is the families
+        that say how a new model errs. None with fewer than two samples: no spread is measured."""
+        chosen = [s for s in self.samples if s.kind == kind]
+        if kind is None or len(chosen) < BAND_SAMPLES:
+            chosen = list(self.samples)
         ratios = [s.measured_seconds / s.held_out_seconds for s in chosen]
-        return (min(ratios), max(ratios)) if ratios else None
+        if len(ratios) < 2:
+            return None
+        from scipy.stats import t  # scipy.stats takes half a second to import: only here
+
+        families = len({s.family or s.label for s in chosen})
+        n = families if families >= 2 else len(ratios)
+        logs = [math.log(r) for r in ratios]
+        half = float(t.ppf((1 + BAND_COVERAGE) / 2, n - 1)) * statistics.stdev(logs) * math.sqrt(1 + 1 / n)
+        middle = statistics.fmean(logs)
+        return min(math.exp(middle - half), *ratios), max(math.exp(middle + half), *ratios)
 
     @property
     def widest_tensor(self) -> int | None:

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import random
 import re
+import statistics
 from pathlib import Path
 
 import pytest
+from scipy import stats
 
 from remat_search.errors import SpecError
 from remat_search.targets.calibration import (
+    BAND_COVERAGE,
     Calibration,
+    Fitted,
     calibrate,
     ceiling,
     chip_of,
@@ -118,7 +124,8 @@ def test_a_calibration_round_trips_and_states_its_band(h100: Calibration, tmp_pa
     assert loaded == h100 and loaded.chips == ("h100",)
     low, high = loaded.band("offload") or (0.0, 0.0)
     offloads = [s.measured_seconds / s.loo_seconds for s in loaded.samples if s.kind == "offload"]
-    assert (low, high) == (min(offloads), max(offloads)) and low <= high
+    assert len(offloads) < 3 and (low, high) == loaded.band()  # two offloading samples: every sample's band
+    assert low < min(offloads) <= max(offloads) < high
 
 
 def test_published_bands_are_the_pages(tmp_path: Path) -> None:
@@ -254,11 +261,59 @@ def test_a_family_is_left_out_together_and_the_band_is_read_from_it(tmp_path: Pa
             if s.family == family:
                 assert s.lofo_seconds == pytest.approx(price(works[s.label], GPUS["h100"], figures).seconds, rel=1e-6)
                 assert s.held_out_seconds == s.lofo_seconds
+    # Two samples a kind, fewer than BAND_SAMPLES: each kind's band is every sample's, a prediction
+    # interval over two families (one degree of freedom), so wide that it holds every ratio.
+    logs = [math.log(s.measured_seconds / s.lofo_seconds) for s in calibration.samples]
+    half = stats.t.ppf(0.975, 1) * statistics.stdev(logs) * math.sqrt(1 + 1 / 2)
+    expected = (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
     for kind in ("keep", "recompute"):
-        ratios = [s.measured_seconds / s.lofo_seconds for s in calibration.samples if s.kind == kind]
-        assert calibration.band(kind) == (min(ratios), max(ratios))  # type: ignore[arg-type]
+        assert calibration.band(kind) == pytest.approx(expected)  # type: ignore[arg-type]
+    assert expected[0] < min(math.exp(x) for x in logs) and max(math.exp(x) for x in logs) < expected[1]
     # Without families each sample is its own: leave-one-family-out is leave-one-out.
     alone = calibrate([(Sample.model_validate({**s.model_dump(), "family": ""}), p) for s, p in samples[:3]],
                       name="h100", compiler="jaxlib (cuda)")
     assert alone.families == 3 and all(s.lofo_seconds == s.loo_seconds for s in alone.samples)
     assert all(s.lofo_seconds != s.loo_seconds for s in calibration.samples)  # a sibling no longer stands in
+
+
+def _banded(ratios: list[float], families: list[str], kinds: list[str] | None = None) -> Calibration:
+    """A calibration whose samples' measured / held-out estimate are ``ratios``, of ``families``."""
+    samples = tuple(Fitted(label=f"s{i}", chip="v5e", kind=(kinds or ["recompute"] * len(ratios))[i], family=family,  # type: ignore[arg-type]
+                           measured_seconds=r, uncalibrated_seconds=1.0, calibrated_seconds=1.0, loo_seconds=1.0,
+                           lofo_seconds=1.0)
+                    for i, (r, family) in enumerate(zip(ratios, families, strict=True)))
+    return Calibration(name="t", chips=("v5e",), compiler="c", efficiencies=Efficiencies(), fitted=(), samples=samples)
+
+
+def test_a_band_holds_a_new_models_step_as_often_as_it_says() -> None:
+    """The band is a prediction interval: of models drawn as its samples were (a ratio each, log-normal),
+    a new one lands inside it BAND_COVERAGE of the time (2,000 draws of six samples and one more),
+    where the samples' lowest and highest ratio alone, the band before it, held (n - 1) / (n + 1)
+    of them: 5 of 7."""
+    draw = random.Random(0)
+    inside = inside_range = 0
+    for _ in range(2000):
+        ratios = [math.exp(draw.gauss(0.0, 0.08)) for _ in range(7)]
+        low, high = _banded(ratios[:6], [f"f{i}" for i in range(6)]).band("recompute") or (0.0, 0.0)
+        inside += low <= ratios[6] <= high
+        inside_range += min(ratios[:6]) <= ratios[6] <= max(ratios[:6])
+    assert abs(inside / 2000 - BAND_COVERAGE) < 0.02, inside
+    assert abs(inside_range / 2000 - 5 / 7) < 0.04, inside_range
+
+
+def test_a_band_counts_families_not_runs_and_never_drops_a_sample() -> None:
+    """The same six ratios read as three models run at two chip counts each give a wider band than
+    as six models (a model's runs err together); no band leaves out one of its own samples; a kind
+    of plan with three samples or more is banded by them alone, one with fewer by every sample;
+    one sample has no band (no spread was measured)."""
+    ratios = [0.95, 0.97, 1.0, 1.01, 1.04, 1.08]
+    six, three = _banded(ratios, [f"f{i}" for i in range(6)]), _banded(ratios, ["a", "a", "b", "b", "c", "c"])
+    (low6, high6), (low3, high3) = six.band(), three.band()  # type: ignore[misc]
+    assert low3 < low6 < min(ratios) and max(ratios) < high6 < high3
+    one_outlier = _banded([1.0] * 20 + [1.5], [f"f{i}" for i in range(21)])
+    assert (one_outlier.band() or (0, 0))[1] == 1.5  # the interval alone would stop short of it
+    kinds = ["recompute"] * 3 + ["offload"] * 2 + ["keep"]
+    mixed = _banded([0.99, 1.0, 1.01, 0.8, 1.2, 1.0], [f"f{i}" for i in range(6)], kinds)
+    assert mixed.band("recompute") != mixed.band() and mixed.band("offload") == mixed.band() == mixed.band("keep")
+    assert (mixed.band("recompute") or (0, 0))[1] < (mixed.band() or (0, 0))[1]
+    assert _banded([1.1], ["a"]).band() is None
