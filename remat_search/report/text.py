@@ -79,8 +79,8 @@ def band_text(e: StepEstimate) -> str:
         text = (f"calibrated ({e.calibration}): a model it never saw takes {low:.2f}–{high:.2f}× its estimate "
                 "95 times in 100, by its samples' measured steps over their estimates fitted without their model family")
     else:
-        text = (f"uncalibrated: MaxText's published runs of this generation took {low:.2f}–{high:.2f}× the model's "
-                "estimates (remat-search calibrate fits it to your own measurements)")
+        text = (f"uncalibrated: by MaxText's published runs of this generation, a run takes {low:.2f}–{high:.2f}× the "
+                "model's estimate 95 times in 100 (remat-search calibrate fits it to your own measurements)")
     return text if not e.outside else f"{text}; outside its samples ({e.outside}): an extrapolation"
 
 

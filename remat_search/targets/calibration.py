@@ -140,29 +140,15 @@ class Calibration(BaseModel):
 
     def band(self, kind: PlanKind | None = None) -> tuple[float, float] | None:
         """Where the step of a model this calibration never saw should land, as multiples of its
-        estimate (measured / estimate), :data:`BAND_COVERAGE` of the time: a prediction interval
-        of the samples' measured / held-out estimate (leave-one-family-out where measured:
-        :attr:`Fitted.held_out_seconds`), never narrower than their own lowest and highest.
-
+        estimate (measured / estimate): the :func:`prediction_band` of its samples' measured /
+        held-out estimate (leave-one-family-out where measured: :attr:`Fitted.held_out_seconds`).
         The samples are those of ``kind`` where it has :data:`BAND_SAMPLES` or more, else every
-        sample (also where ``kind`` is None). Their log ratios' mean ± Student's t times their
-        standard deviation and √(1 + 1/n), with n their model families (where two or more; else
-        their number): a model's runs at several chip counts err together, so it is the families
-        that say how a new model errs. None with fewer than two samples: no spread is measured."""
+        sample (also where ``kind`` is None)."""
         chosen = [s for s in self.samples if s.kind == kind]
         if kind is None or len(chosen) < BAND_SAMPLES:
             chosen = list(self.samples)
-        ratios = [s.measured_seconds / s.held_out_seconds for s in chosen]
-        if len(ratios) < 2:
-            return None
-        from scipy.stats import t  # scipy.stats takes half a second to import: only here
-
-        families = len({s.family or s.label for s in chosen})
-        n = families if families >= 2 else len(ratios)
-        logs = [math.log(r) for r in ratios]
-        half = float(t.ppf((1 + BAND_COVERAGE) / 2, n - 1)) * statistics.stdev(logs) * math.sqrt(1 + 1 / n)
-        middle = statistics.fmean(logs)
-        return min(math.exp(middle - half), *ratios), max(math.exp(middle + half), *ratios)
+        return prediction_band([s.measured_seconds / s.held_out_seconds for s in chosen],
+                               [s.family or s.label for s in chosen])
 
     @property
     def widest_tensor(self) -> int | None:
@@ -181,6 +167,24 @@ class Calibration(BaseModel):
         for s in self.samples:
             found[s.kind] = max(found.get(s.kind, 0.0), abs(s.held_out_error))
         return found
+
+
+def prediction_band(ratios: Sequence[float], families: Sequence[str]) -> tuple[float, float] | None:
+    """Where the next ratio (measured / estimate) of a model not among ``ratios``' should land,
+    :data:`BAND_COVERAGE` of the time: a prediction interval, never narrower than the ratios' own
+    lowest and highest. Their logs' mean ± Student's t times their standard deviation and
+    √(1 + 1/n), with n the distinct ``families`` (where two or more; else the ratios' number): a
+    model's runs at several chip counts err together, so it is the families that say how a new
+    model errs. None with fewer than two ratios: no spread is measured."""
+    if len(ratios) < 2:
+        return None
+    from scipy.stats import t  # scipy.stats takes half a second to import: only here
+
+    n = len(set(families)) if len(set(families)) >= 2 else len(ratios)
+    logs = [math.log(r) for r in ratios]
+    half = float(t.ppf((1 + BAND_COVERAGE) / 2, n - 1)) * statistics.stdev(logs) * math.sqrt(1 + 1 / n)
+    middle = statistics.fmean(logs)
+    return min(math.exp(middle - half), *ratios), max(math.exp(middle + half), *ratios)
 
 
 def load_samples(path: Path) -> list[tuple[Sample, Path]]:

@@ -110,15 +110,16 @@ def gpu_chip(device_kind: str) -> Chip | None:
 
 
 PUBLISHED_BANDS: dict[str, tuple[float, float]] = {
-    "v5e": (1.115, 1.204),
-    "v5p": (1.173, 1.186),
-    "v6e": (0.828, 1.248),
+    "v5e": (0.955, 1.405),
+    "v5p": (1.145, 1.216),
+    "v6e": (0.624, 1.668),
 }
-"""The uncalibrated model's error on each TPU generation: MaxText's published step / the
-model's estimate of the published configuration, lowest and highest, over the published runs
-of that generation (benchmarks/results/published_configs.md: three on v5e, three on v5p,
-thirteen on v6e; tests/targets/test_calibration.py checks these against the page). A generation
-without published runs has no band: its error is unknown."""
+"""The uncalibrated model's error on each TPU generation: the 95% prediction band
+(``calibration.prediction_band``, counted by model family) of MaxText's published step / the
+model's estimate of the published configuration, over the published runs of that generation
+(benchmarks/results/published_configs.md: three on v5e, three on v5p, thirteen of five models on
+v6e; tests/targets/test_calibration.py checks these against the page). A generation without
+published runs has no band: its error is unknown."""
 
 PUBLISHED_TENSOR: dict[str, int] = {"v5e": 1, "v5p": 8, "v6e": 1}
 """The widest tensor axis of those published runs, by generation (v5p-128b's ``tensor=8``; the
