@@ -170,7 +170,7 @@ class Calibration(BaseModel):
 
 
 def prediction_band(ratios: Sequence[float], families: Sequence[str]) -> tuple[float, float] | None:
-    """Where the next ratio (measured / estimate) of a model not among ``ratios``' should land,
+    """Where the ratio (measured / estimate) of a model none of ``ratios`` came from should land,
     :data:`BAND_COVERAGE` of the time: a prediction interval, never narrower than the ratios' own
     lowest and highest. Their logs' mean ± Student's t times their standard deviation and
     √(1 + 1/n), with n the distinct ``families`` (where two or more; else the ratios' number): a
