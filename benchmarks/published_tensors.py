@@ -34,7 +34,7 @@ import optuna
 
 import remat_search
 from remat_search.report.results import StudyReport, TrialResult, rank
-from remat_search.targets.calibration import load_calibration
+from remat_search.targets.calibration import banded_kind, load_calibration
 from remat_search.units import format_bytes
 
 from published_configs import QKV, RUNS, Run, at_published_configuration, group, label, search  # benchmarks/ is the script's folder
@@ -76,8 +76,7 @@ def rebanded(run: Run, report: StudyReport) -> StudyReport:
         if e is None or e.calibration != calibration.name or t.plan is None:
             trials.append(t)
             continue
-        kind = "offload" if e.host_bytes else t.plan.kind  # as the target bands it: a memory knob offloads too
-        band = e.model_copy(update={"band": calibration.band(kind)})
+        band = e.model_copy(update={"band": calibration.band(banded_kind(t.plan.kind, e))})  # as the target bands it
         trials.append(t.model_copy(update={"measurement": t.measurement.model_copy(update={"estimate": band})}))
     return report.model_copy(update={"trials": tuple(trials)})
 

@@ -336,6 +336,12 @@ def tensor_width(mesh: dict[str, int]) -> int:
     return math.prod(n for axis, n in mesh.items() if axis.startswith("tensor"))
 
 
+def banded_kind(kind: PlanKind, estimate: StepEstimate) -> PlanKind:
+    """The kind of plan ``estimate`` is banded as: ``offload`` where its program moves bytes to the
+    host (a memory knob offloads too, whatever the plan's layers do), else the plan's ``kind``."""
+    return "offload" if estimate.host_bytes else kind
+
+
 def with_band(estimate: StepEstimate, calibration: Calibration | None, kind: PlanKind,
               uncalibrated: tuple[float, float] | None = None, *, mesh: dict[str, int] | None = None,
               uncalibrated_tensor: int | None = None) -> StepEstimate:

@@ -12,7 +12,7 @@ from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
 from remat_search.targets.mesh import make_mesh
 from remat_search.targets.platform import quiet_libtpu
-from remat_search.targets.calibration import load_calibration, with_band
+from remat_search.targets.calibration import banded_kind, load_calibration, with_band
 from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS, PUBLISHED_TENSOR
 from remat_search.targets.step_time import UNCALIBRATED, StepEstimate, estimate_step
 from remat_search.units import size_argument
@@ -70,8 +70,8 @@ class TpuAotTarget(Target):
                  mesh: dict[str, int] | None = None) -> StepEstimate:
         efficiencies = self.calibration.efficiencies if self.calibration is not None else UNCALIBRATED
         estimate = estimate_step(hlo, self.chip, cost, efficiencies)
-        kind = "offload" if estimate.host_bytes else kind  # a memory knob offloads too
-        return with_band(estimate, self.calibration, kind, PUBLISHED_BANDS.get(self.generation),  # type: ignore[arg-type]
+        kind = banded_kind(kind, estimate)  # type: ignore[arg-type]
+        return with_band(estimate, self.calibration, kind, PUBLISHED_BANDS.get(self.generation),
                          mesh=mesh, uncalibrated_tensor=PUBLISHED_TENSOR.get(self.generation))
 
 
