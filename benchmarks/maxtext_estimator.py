@@ -289,15 +289,13 @@ def main() -> None:
     kept: dict[str, Any] = json.loads(KEPT.read_text()) if KEPT.exists() else {}
     for run in (r for r in searched() if r.name in args.runs and not args.report):
         if run.name not in kept or kept[run.name]["answer"] is None:
-            kept[run.name] = estimate(run)
-            KEPT.write_text(json.dumps(kept, indent=1) + "\n")
+            kept[run.name] = keep(run.name, estimate(run))
             print(run.name, kept[run.name]["compiles"], "compiles", kept[run.name]["answer"], flush=True)
         if kept[run.name]["answer"] is not None:
             priced(run, kept[run.name]["answer"], storage)
         if args.frontier:
             if kept[run.name].get("frontier", {}).get("points") is None:
-                kept[run.name]["frontier"] = estimate(run, frontier=True)
-                KEPT.write_text(json.dumps(kept, indent=1) + "\n")
+                kept[run.name] = keep(run.name, {**kept[run.name], "frontier": estimate(run, frontier=True)})
                 print(run.name, "frontier:", kept[run.name]["frontier"]["compiles"], "compiles", flush=True)
             if kept[run.name]["frontier"]["points"]:
                 frontier_studies(run, kept[run.name]["frontier"]["points"], storage)
@@ -319,6 +317,14 @@ def main() -> None:
             print(frontiers[-1], flush=True)
     PAGE.write_text(page(rows, missing, shortfalls, frontiers))
     print(f"wrote {PAGE}")
+
+
+def keep(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Keep ``entry`` as run ``name``'s in :data:`KEPT`, read again first: another run's process
+    (``--runs`` of one run each, side by side) may have kept its own since this one started."""
+    kept = json.loads(KEPT.read_text()) if KEPT.exists() else {}
+    KEPT.write_text(json.dumps({**kept, name: entry}, indent=1) + "\n")
+    return entry
 
 
 def load(run: Run, name: str, storage: str) -> StudyReport | None:
