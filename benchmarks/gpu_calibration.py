@@ -73,10 +73,11 @@ def across_models(samples: Path, fitted: tuple[str, ...]) -> list[str]:
         errors = [price(works[i], chips[i], e).seconds / found[i][0].measured_seconds - 1 for i in others]
         lines.append(f"| {model} ({len(mine)} plans) | the other model's {len(others)} | "
                      f"{min(errors):+.1%} to {max(errors):+.1%} | {relative(errors):.1%} |")
-    return ["Across models: fitted on one model's plans, the other model's estimated. The last column is the "
-            "largest error of an estimated ratio of two plans' steps (one plan over another, of the model estimated): "
-            "what a ranking of two plans of one model rests on, where the errors above are what a step's estimate "
-            "rests on.\n", *lines, ""]
+    intro = ("Across models: fitted on one model's plans, the other model's estimated. The last column is the "
+             "largest error of an estimated ratio of two plans' steps (one plan over another, of the model estimated): "
+             "what a ranking of two plans of one model rests on, where the errors above are what a step's estimate "
+             "rests on.\n")
+    return [intro, *lines, ""]
 
 
 def relative(errors: list[float]) -> float:
