@@ -133,9 +133,11 @@ class StepEstimate(BaseModel):
     calibration: str | None = None
     """The calibration whose figures priced it (``targets.calibration``); None: the datasheet's."""
     band: tuple[float, float] | None = None
-    """Measured step / this estimate, lowest and highest, as the calibration found them with a
-    model family left out, for plans of this kind (or, uncalibrated, as the published runs of this
-    chip's generation did); None: unknown."""
+    """Where measured step / this estimate falls 95 times in 100 for a model the calibration never
+    saw: the 95% prediction interval of its samples' ratios with each model family left out, for
+    plans of this kind (:func:`~remat_search.targets.calibration.prediction_band`; uncalibrated,
+    that of the published runs of this chip's generation). A study keeps the band it was priced
+    with. None: unknown."""
     outside: str | None = None
     """What puts the plan outside its calibration's samples ("no sample offloads"): its band was
     measured on other kinds of plan, so it is an extrapolation. None within them, or uncalibrated."""
