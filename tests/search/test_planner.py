@@ -188,6 +188,30 @@ def test_a_preset_the_compiler_refused_is_priced_from_the_plans_that_hold_its_ch
     assert fit_cost_model([*refused, published], **kwargs) is None  # no preset with a FLOP count to price time by
 
 
+def test_a_choice_priced_from_a_small_tensor_never_moves_a_step_by_more_than_a_third() -> None:
+    """The v5e 32B study's planner, once a plan keeping only `context` (a small tensor, by its
+    bytes) ran 1% faster than every tensor recomputed, spread that saving by bytes over the big
+    tensors and read plans keeping them at steps below zero (-66 s and -79 s: it proposed them
+    first). Priced from the plans holding it, a choice's prior may move the reference's step by at
+    most a third, every unit holding it: what keeping every tensor can save of a step recomputing
+    them all; the plans measured then correct the cells they hold, as any prior's."""
+    kwargs = {"labels": ("device", "remat", "offload"), "unit_layers": [[0, 1, 2, 3]] * 4,
+              "units": ["context", "b", "c", "mlpwi"], "layers": 4, "weights": [0.001, 0.3, 0.3, 0.399]}
+    presets = [Observation(choices=("device",) * 4, peak=120.0),  # refused by the compiler
+               Observation(choices=("remat",) * 4, peak=40.0, flops=140.0, seconds=12.0),
+               Observation(choices=("offload",) * 4, peak=35.0, flops=120.0, seconds=13.0)]
+    context = Observation(choices=("device", "remat", "remat", "remat"), peak=41.0, flops=139.0, seconds=11.88)
+    model = fit_cost_model([*presets, context], **kwargs)
+    assert model is not None
+    assert model.predict(context.choices).seconds == pytest.approx(11.88, abs=0.05)  # what it measured (ridge-smoothed)
+    # its prior saves at most a third (4 s of 12) every unit keeping it; the fit then moves the
+    # one cell a plan measured (context's) by what that plan says, a tenth of a second
+    for kept in itertools.product(("device", "remat"), repeat=4):
+        assert model.predict(kept).seconds >= 12.0 * 2 / 3 - 0.1, kept
+    assert model.predict(("device",) * 4).seconds == pytest.approx(8.0, abs=0.1)
+    assert model.predict(("remat", "remat", "remat", "device")).seconds == pytest.approx(12.0 - 4.0 * 0.399)
+
+
 def test_a_compile_the_tpu_compiler_refused_is_observed_at_the_bytes_it_needed() -> None:
     """A refused compile has no memory analysis, only the bytes the compiler needed (its
     out-of-memory message): the study's observations read them as the preset's peak, so the
