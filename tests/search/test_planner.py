@@ -164,17 +164,25 @@ def test_time_prior_is_the_presets_measured_step_where_they_ran() -> None:
     assert model.predict(("full", "full", "dots", "dots")).seconds == pytest.approx(1.2)
 
 
+def _device_refused(units: list[str], weights: list[float], *, remat: float,
+                    offload: tuple[float, float]) -> tuple[dict[str, object], list[Observation]]:
+    """A four-tensor space's fit arguments (each unit every layer, ``weights`` its bytes' share)
+    and its three presets as a TPU study sees them: `device` refused by the compiler (its peak
+    only), `remat` run at 140 FLOPs in ``remat`` seconds, `offload` at ``offload``'s (FLOPs, seconds)."""
+    kwargs = {"labels": ("device", "remat", "offload"), "unit_layers": [[0, 1, 2, 3]] * 4,
+              "units": units, "layers": 4, "weights": weights}
+    return kwargs, [Observation(choices=("device",) * 4, peak=120.0),
+                    Observation(choices=("remat",) * 4, peak=40.0, flops=140.0, seconds=remat),
+                    Observation(choices=("offload",) * 4, peak=35.0, flops=offload[0], seconds=offload[1])]
+
+
 def test_a_preset_the_compiler_refused_is_priced_from_the_plans_that_hold_its_choice() -> None:
     """On a TPU the device preset of a big model is refused at compile time (its peak from the
     refusal, no FLOPs, no step), while a published policy keeping names on the device runs fastest:
     the model prices `device` from that plan (its saving per byte kept, spread over the units by
     their bytes as a preset's is), where it once left `device` out and proposed only recomputing
     and offloading plans."""
-    kwargs = {"labels": ("device", "remat", "offload"), "unit_layers": [[0, 1, 2, 3]] * 4,
-              "units": ["a", "b", "c", "d"], "layers": 4, "weights": [0.4, 0.4, 0.1, 0.1]}
-    presets = [Observation(choices=("device",) * 4, peak=120.0),  # refused by the compiler
-               Observation(choices=("remat",) * 4, peak=40.0, flops=140.0, seconds=1.2),
-               Observation(choices=("offload",) * 4, peak=35.0, flops=140.0, seconds=1.8)]
+    kwargs, presets = _device_refused(["a", "b", "c", "d"], [0.4, 0.4, 0.1, 0.1], remat=1.2, offload=(140.0, 1.8))
     published = Observation(choices=("device", "remat", "device", "remat"), peak=80.0, flops=120.0, seconds=1.0)
     assert fit_cost_model(presets, **kwargs).labels == ("remat", "device", "offload")  # the refused peak prices memory
     model = fit_cost_model([*presets, published], **kwargs)
@@ -195,11 +203,8 @@ def test_a_choice_priced_from_a_small_tensor_never_moves_a_step_by_more_than_a_t
     first). Priced from the plans holding it, a choice's prior may move the reference's step by at
     most a third, every unit holding it: what keeping every tensor can save of a step recomputing
     them all; the plans measured then correct the cells they hold, as any prior's."""
-    kwargs = {"labels": ("device", "remat", "offload"), "unit_layers": [[0, 1, 2, 3]] * 4,
-              "units": ["context", "b", "c", "mlpwi"], "layers": 4, "weights": [0.001, 0.3, 0.3, 0.399]}
-    presets = [Observation(choices=("device",) * 4, peak=120.0),  # refused by the compiler
-               Observation(choices=("remat",) * 4, peak=40.0, flops=140.0, seconds=12.0),
-               Observation(choices=("offload",) * 4, peak=35.0, flops=120.0, seconds=13.0)]
+    kwargs, presets = _device_refused(["context", "b", "c", "mlpwi"], [0.001, 0.3, 0.3, 0.399], remat=12.0,
+                                      offload=(120.0, 13.0))
     context = Observation(choices=("device", "remat", "remat", "remat"), peak=41.0, flops=139.0, seconds=11.88)
     model = fit_cost_model([*presets, context], **kwargs)
     assert model is not None
