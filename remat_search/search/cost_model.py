@@ -42,8 +42,9 @@ RIDGES = (0.25, 1.0, 4.0, 16.0, 64.0)
 its delta halfway from the prior."""
 MAX_POOLED_SHARE = 1 / 3
 """The most the prior of a choice priced from the plans holding it (:func:`_pooled`) may move
-the reference's step, every unit holding it: a third, what keeping every tensor can save of a
-step that recomputes them all."""
+the reference's step, every unit holding it: a third. With every tensor recomputed a step runs
+its forward twice and its backward (no shorter than the forward) once, so keeping them all
+saves at most that."""
 MIN_CALIBRATION = 3
 """Measured mixed plans the model's error must be known from before it may screen a plan out."""
 
@@ -291,11 +292,9 @@ def _pooled(
     ]
     held = sum(x * x for x, _ in rows)
     per_share = sum(x * y for x, y in rows) / held if held > 0 else 0.0
-    # At most a third of the reference's step over every unit: with every tensor recomputed a
-    # step runs its forward twice and its backward (no shorter than the forward) once, so keeping
-    # them all saves at most that. Spread by bytes, a plan holding only a small tensor (MaxText's
-    # `context`) would otherwise read its saving as a few bytes' and price a large tensor's at
-    # many times the step (v5e 32B: -132 s for `mlpwi`, steps predicted below zero).
+    # bounded by MAX_POOLED_SHARE: spread by bytes, a plan holding only a small tensor (MaxText's
+    # `context`) would read its saving as a few bytes' and price a large tensor's at many times
+    # the step (v5e 32B: -132 s for `mlpwi`, steps predicted below zero)
     reach = MAX_POOLED_SHARE * base / max(float(sum(share)), 1e-12)
     return float(np.clip(per_share, -reach, reach)) * np.asarray(share, dtype=float)
 
