@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -41,6 +42,7 @@ from remat_search.report.results import StudyReport, TrialResult
 KEPT = HERE / "results" / "maxtext_estimator.json"
 PAGE = HERE / "results" / "maxtext_estimator.md"
 LOGS = HERE / "results" / "maxtext_estimator"
+PICTURE = HERE / "results" / "maxtext_estimator.png"
 
 
 def topology_name(run: Run) -> str:
@@ -274,6 +276,10 @@ def frontier_section(frontiers: list[str]) -> list[str]:
          "ours vs its fastest | ours vs its fastest at no larger a batch |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *frontiers, "",
+        ("Every plan compiled for each of these runs, its estimated throughput a chip against its compiled peak "
+         "(the estimator's points at their own batch, ours at the published global batch; the picture is drawn by "
+         "`--report` from the kept studies):"), "",
+        f"![the estimator's frontier beside our study]({PICTURE.name})", "",
     ]
 
 
@@ -300,6 +306,7 @@ def main() -> None:
             if kept[run.name]["frontier"]["points"]:
                 frontier_studies(run, kept[run.name]["frontier"]["points"], storage)
     rows, missing, shortfalls, frontiers = [], [], [], []
+    pictured: list[tuple[Run, list[tuple[float, TrialResult]], StudyReport | None, StudyReport | None]] = []
     for run in searched():
         if run.name not in kept:
             missing.append(run.name)
@@ -309,14 +316,54 @@ def main() -> None:
         shortfalls += [line] if (line := shortfall(run, kept[run.name], *studies)) else []
         print(rows[-1], flush=True)
         if "frontier" in kept[run.name]:
-            priced_points = []  # each batch's points: its study's first trials, one a point (the presets queued after them are not run)
+            at_batch = []  # each batch's points: its study's first trials, one a point (the presets queued after them are not run)
             for pdb, at in frontier_points(run, kept[run.name]["frontier"]["points"] or []).items():
                 report = load(run, frontier_name(run, pdb), storage)
-                priced_points += [t for t in report.trials if t.number < len(at)] if report else []
-            frontiers.append(frontier_row(run, kept[run.name]["frontier"], priced_points, studies[1]))
+                at_batch += [(pdb, t) for t in report.trials if t.number < len(at)] if report else []
+            frontiers.append(frontier_row(run, kept[run.name]["frontier"], [t for _, t in at_batch], studies[1]))
+            pictured.append((run, at_batch, *studies))
             print(frontiers[-1], flush=True)
+    if pictured:
+        plot(pictured, PICTURE)
     PAGE.write_text(page(rows, missing, shortfalls, frontiers))
-    print(f"wrote {PAGE}")
+    print(f"wrote {PAGE}" + (f" and {PICTURE}" if pictured else ""))
+
+
+def plot(runs: list[tuple[Run, list[tuple[float, TrialResult]], StudyReport | None, StudyReport | None]], path: Path) -> None:
+    """One panel a run whose frontier is priced: every plan compiled for it, its estimated throughput
+    against its compiled peak: the estimator's frontier points (each labelled with its batch), its
+    mode-1 answer, our study's candidates, the published configuration and our answer; the budget
+    a dashed line. Throughputs per chip, so that points at other batches compare."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.6), squeeze=False)
+    for ax, (run, points, theirs, ours) in zip(axes[0], runs, strict=True):
+        def draw(trials: list[TrialResult], label: str, **style: Any) -> None:
+            shown = [t for t in trials if t.throughput and t.peak_bytes is not None]
+            ax.scatter([t.peak_bytes / 2**30 for t in shown], [t.throughput for t in shown], label=label, **style)  # type: ignore[operator]
+
+        candidates = [t for t in ours.trials if t.status == "measured"] if ours else []
+        best = best_and_counts(ours)[0] if ours else None
+        published = published_trial(run, ours) if ours else None
+        draw(candidates, "our study's candidates", marker="o", color="lightgrey", edgecolors="grey")
+        draw([t for _, t in points], "the estimator's frontier (labelled: its batch a chip)", marker="^", color="tab:orange")
+        for pdb, t in points:
+            if t.throughput and t.peak_bytes is not None:
+                ax.annotate(f"{pdb:g}", (t.peak_bytes / 2**30, t.throughput), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        draw(list(theirs.trials[:1]) if theirs else [], "the estimator's answer (published batch)", marker="x", color="tab:red", s=60)
+        draw([published] if published else [], "published configuration", marker="*", color="tab:blue", s=140)
+        draw([best] if best else [], "our answer (the published global batch)", marker="o", facecolors="none", edgecolors="black", s=160, linewidths=1.5)
+        if ours:
+            ax.axvline(ours.budget / 2**30, color="grey", linestyle="--", label=f"budget {ours.budget / 2**30:.1f} GiB")
+        ax.set_title(f"{run.name} ({run.topology})", fontsize=10)
+        ax.set_xlabel("compiled peak per chip (GiB)")
+        ax.set_ylabel("est. tokens/s per chip (calibrated estimate)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def keep(name: str, entry: dict[str, Any]) -> dict[str, Any]:
