@@ -341,21 +341,17 @@ def plot(runs: list[tuple[Run, list[tuple[float, TrialResult]], StudyReport | No
 
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.6), squeeze=False)
     for ax, (run, points, theirs, ours) in zip(axes[0], runs, strict=True):
-        def draw(trials: list[TrialResult], label: str, **style: Any) -> None:
-            shown = [t for t in trials if t.throughput and t.peak_bytes is not None]
-            ax.scatter([t.peak_bytes / 2**30 for t in shown], [t.throughput for t in shown], label=label, **style)  # type: ignore[operator]
-
         candidates = [t for t in ours.trials if t.status == "measured"] if ours else []
         best = best_and_counts(ours)[0] if ours else None
         published = published_trial(run, ours) if ours else None
-        draw(candidates, "our study's candidates", marker="o", color="lightgrey", edgecolors="grey")
-        draw([t for _, t in points], "the estimator's frontier (labelled: its batch a chip)", marker="^", color="tab:orange")
+        draw(ax, candidates, "our study's candidates", marker="o", color="lightgrey", edgecolors="grey")
+        draw(ax, [t for _, t in points], "the estimator's frontier (labelled: its batch a chip)", marker="^", color="tab:orange")
         for pdb, t in points:
             if t.throughput and t.peak_bytes is not None:
                 ax.annotate(f"{pdb:g}", (t.peak_bytes / 2**30, t.throughput), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        draw(list(theirs.trials[:1]) if theirs else [], "the estimator's answer (published batch)", marker="x", color="tab:red", s=60)
-        draw([published] if published else [], "published configuration", marker="*", color="tab:blue", s=140)
-        draw([best] if best else [], "our answer (the published global batch)", marker="o", facecolors="none", edgecolors="black", s=160, linewidths=1.5)
+        draw(ax, list(theirs.trials[:1]) if theirs else [], "the estimator's answer (published batch)", marker="x", color="tab:red", s=60)
+        draw(ax, [published] if published else [], "published configuration", marker="*", color="tab:blue", s=140)
+        draw(ax, [best] if best else [], "our answer (the published global batch)", marker="o", facecolors="none", edgecolors="black", s=160, linewidths=1.5)
         if ours:
             ax.axvline(ours.budget / 2**30, color="grey", linestyle="--", label=f"budget {ours.budget / 2**30:.1f} GiB")
         ax.set_title(f"{run.name} ({run.topology})", fontsize=10)
@@ -364,6 +360,12 @@ def plot(runs: list[tuple[Run, list[tuple[float, TrialResult]], StudyReport | No
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def draw(ax: Any, trials: list[TrialResult], label: str, **style: Any) -> None:
+    """``trials`` on ``ax``, estimated throughput against compiled peak (those with both)."""
+    shown = [t for t in trials if t.throughput and t.peak_bytes is not None]
+    ax.scatter([t.peak_bytes / 2**30 for t in shown], [t.throughput for t in shown], label=label, **style)  # type: ignore[operator]
 
 
 def keep(name: str, entry: dict[str, Any]) -> dict[str, Any]:
