@@ -156,8 +156,9 @@ def maxtext(
     )] = "presets",
     tensors: Annotated[str | None, typer.Option(
         "--tensors", metavar="NAME,...", show_default=False,
-        help="With --space tensors: the tensor names to place (default: a dense decoder's, decoder_layer_input, "
-             "query_proj, key_proj, value_proj, attention_out, out_proj, mlpwi_0, mlpwi_1, mlpwo).",
+        help="With --space tensors: the tensor names to place (default: those the model's step tags, traced on the "
+             "target before the search, such as decoder_layer_input, query_proj, key_proj, value_proj, attention_out, "
+             "out_proj, mlpwi_0, mlpwi_1, mlpwo; a resumed study's own).",
     )] = None,
     form: Annotated[str, typer.Option(
         "--format", metavar="maxtext|maxtext-args",
@@ -181,7 +182,7 @@ def maxtext(
     from remat_search.plans.export import export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.stored import open_study
-    from remat_search.spec.maxtext_study import as_flags, maxtext_study
+    from remat_search.spec.maxtext_study import as_flags, maxtext_study, tagged_tensors
 
     if form not in ("maxtext", "maxtext-args"):
         raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")
@@ -190,11 +191,21 @@ def maxtext(
     if tensors is not None and space != "tensors":
         raise SpecError("--tensors: only with --space tensors")
     output.quiet_optuna()
-    loaded = maxtext_study(
-        arguments or [], budget=budget, trials=trials, study=flags.study(study) if study else None, storage=storage,
-        workers=flags.workers(workers), batches=batch or (), meshes=mesh or (),
-        tensors=None if space == "presets" else [n for n in (tensors or "").split(",") if n],
-    )
+    named = [n for n in (tensors or "").split(",") if n]
+    settings = {"budget": budget, "trials": trials, "study": flags.study(study) if study else None, "storage": storage,
+                "workers": flags.workers(workers), "batches": batch or (), "meshes": mesh or ()}
+    loaded = maxtext_study(arguments or [], **settings, tensors=None if space == "presets" else named)
+    if space == "tensors" and not named:  # the names the model tags, not a dense decoder's
+        try:
+            tagged = tagged_tensors(loaded)
+        except SpecError as e:
+            raise as_flags(e) from None
+        if tagged is not None:
+            names, stored = tagged
+            loaded = maxtext_study(arguments or [], **settings, tensors=list(names) if stored else [],
+                                   default_tensors=names)
+            output.note(f"--space tensors: {'the study' if stored else 'the traced step'}'s tensors: "
+                        f"{', '.join(loaded.space.tensors or ())} (--tensors names others)")  # type: ignore[union-attr]
     if isinstance(loaded.budget, int):
         output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:

@@ -239,6 +239,29 @@ def test_meshes_without_batch_keep_the_config_s_global_batch_on_a_topology(meshe
 
 @needs_maxtext
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
+def test_with_space_tensors_and_no_names_the_study_places_the_tensors_the_model_tags(tmp_path: Path) -> None:
+    """``--space tensors`` without ``--tensors`` on a ``decoder_block: default`` decoder (a GELU
+    MLP, the 2023 runs' model): the study places the tensors its traced step tags, ``mlpwi`` among
+    them and not a gated decoder's ``mlpwi_0``/``mlpwi_1`` (a fixed list would search two tensors
+    that save nothing and leave the largest recomputed), each of them and no other
+    (``decoder_layer_input`` aside: MaxText keeps it on the device on local devices); and the same
+    command resumes the study with its stored names."""
+    from remat_search.plans.export import PINNED
+
+    command = (*TINY_ARGS, "decoder_block=default", "mlp_activations=[gelu]", "--budget", "1GiB", "--space", "tensors")
+    out, trials = commanded(tmp_path, *command, "--trials", "1")
+    study = optuna.load_study(study_name="mt", storage=f"sqlite:///{tmp_path / 'command.db'}")
+    placed = study.user_attrs["spec"]["space"]["tensors"]
+    traced = study.user_attrs["device_info"]["traced_names"]
+    assert "mlpwi" in placed and not {"mlpwi_0", "mlpwi_1"} & set(placed), placed
+    assert sorted(placed) == sorted(set(traced) - {PINNED}), (placed, traced)
+    assert f"--space tensors: the traced step's tensors: {', '.join(placed)}" in out and len(trials) == 1
+    out, trials = commanded(tmp_path, *command, "--trials", "1")  # refused, had it placed other names
+    assert f"--space tensors: the study's tensors: {', '.join(placed)}" in out and len(trials) == 1
+
+
+@needs_maxtext
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
 @pytest.mark.parametrize(("settings", "point"), [
     (["remat_policy=custom", "query_proj=offload", "out_proj=device"], "per_name(decoder_layer_input,out_proj; offload query_proj)"),
     (["remat_policy=save_qkv_proj"], "per_name(key_proj,query_proj,value_proj)"),
