@@ -204,8 +204,11 @@ def maxtext(
             names, stored = tagged
             loaded = maxtext_study(arguments or [], **settings, tensors=list(names) if stored else [],
                                    default_tensors=names)
-            output.note(f"--space tensors: {'the study' if stored else 'the traced step'}'s tensors: "
-                        f"{', '.join(loaded.space.tensors or ())} (--tensors names others)")  # type: ignore[union-attr]
+            placed = loaded.space.tensors or ()  # type: ignore[union-attr]
+            aside = [n for n in names if n not in placed]  # decoder_layer_input: on the device on local devices
+            output.note(f"--space tensors: {'the study' if stored else 'the traced step'}'s tensors: {', '.join(placed)}"
+                        + (f" ({', '.join(aside)} aside: MaxText keeps it on the device unless offloaded, which local "
+                           "devices cannot)" if aside else "") + " (--tensors names others)")
     if isinstance(loaded.budget, int):
         output.console.print(budget_line(loaded.budget_text, loaded.budget), highlight=False)
     try:

@@ -181,8 +181,20 @@ def opened(spec: SearchSpec, space: Space, device: DeviceInfo, runner: Runner) -
 
 def _warn_untagged(spec: SearchSpec, device: DeviceInfo) -> None:
     """Say which choices name tensors the traced step never tags (a model's tags may depend on
-    its configuration): for those names such a choice saves nothing."""
+    its configuration): for those names such a choice saves nothing. A ``tensors`` space's names
+    are said so, and the tags it leaves out beside them."""
     if device.traced_names is None:
+        return
+    if spec.space.layout == "tensors":  # its choices are the locations of every name it places: said once, by name
+        untagged = [n for n in spec.space.tensors or () if n not in device.traced_names]
+        unplaced = [n for n in device.traced_names if n not in (spec.space.tensors or ())]
+        if untagged or unplaced:
+            logger.warning(
+                "note: spec.space.tensors: %s", "; ".join(
+                    ([f"names {untagged}, which the traced step never tags with checkpoint_name: placing them changes nothing"]
+                     if untagged else [])
+                    + ([f"the step also tags {unplaced}, which the space does not place"] if unplaced else [])),
+            )
         return
     for choice in spec.space.choices:
         missing = sorted(set(choice.policy.tensor_names) - set(device.traced_names))

@@ -75,6 +75,23 @@ def test_a_name_the_model_never_tags_is_refused_before_anything_is_written(tmp_p
     assert not (tmp_path / "studies.db").exists()
 
 
+def test_names_the_step_never_tags_and_tags_the_space_leaves_out_are_said_once(
+    storage_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ``tensors`` space naming a tensor the traced step never tags (a model's tags depend on
+    its configuration: a GELU MLP tags ``mlpwi``, a gated one ``mlpwi_0`` and ``mlpwi_1``), and
+    leaving out one it tags: one note says both, by the field the user wrote."""
+    spec = parse_spec(spec_dict(storage_url, workload={"factory": "tests.factories:over_declared"}, trials=2,
+                                space={"layout": "tensors", "tensors": ["mlpwi", "never_tagged"], "choices": ["device", "remat"]},
+                                confirm={"top": 0}))
+    with caplog.at_level("WARNING", logger="remat_search"):
+        remat_search.run(spec)
+    assert [r.getMessage() for r in caplog.records if "spec.space" in r.getMessage()] == [
+        "note: spec.space.tensors: names ['never_tagged'], which the traced step never tags with checkpoint_name: "
+        "placing them changes nothing; the step also tags ['mlpwo'], which the space does not place"
+    ]
+
+
 def test_a_cpu_study_places_each_tensor_and_weighs_the_prior_by_the_tensor_s_bytes(storage_url: str) -> None:
     """On the CPU (no host memory): device or remat for each of three tensors, the planner
     proposing after the point the spec names (today's policy, say: ``mlpwi`` kept) and the two
