@@ -86,10 +86,9 @@ def test_names_the_step_never_tags_and_tags_the_space_leaves_out_are_said_once(
                                 confirm={"top": 0}))
     with caplog.at_level("WARNING", logger="remat_search"):
         remat_search.run(spec)
-    assert [r.getMessage() for r in caplog.records if "spec.space" in r.getMessage()] == [
-        "note: spec.space.tensors: names ['never_tagged'], which the traced step never tags with checkpoint_name: "
-        "placing them changes nothing; the step also tags ['mlpwo'], which the space does not place"
-    ]
+    said = ("note: spec.space.tensors: names ['never_tagged'], which the traced step never tags with checkpoint_name: "
+            "placing them changes nothing; the step also tags ['mlpwo'], which the space does not place")
+    assert [r.getMessage() for r in caplog.records if "spec.space" in r.getMessage()] == [said]
 
 
 def test_a_cpu_study_places_each_tensor_and_weighs_the_prior_by_the_tensor_s_bytes(storage_url: str) -> None:
