@@ -46,8 +46,8 @@ def maxtext_study(
     error names the argument that set the field (:func:`as_flags`).
 
     ``tensors``: search MaxText's whole ``remat_policy: custom`` space instead of its presets,
-    each of these tensor names (empty: ``default_tensors``, such as :func:`tagged_tensors`) on the device, recomputed or, on
-    a TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
+    each of these tensor names (empty: ``default_tensors``, such as :func:`tagged_tensors` gives)
+    on the device, recomputed or, on a TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
     :data:`TENSOR_TRIALS` candidates by default; the config's own policy first, where the space
     states it (:func:`config_point`)."""
     from remat_search.plans.export import MAXTEXT_PRESETS, PINNED
@@ -127,10 +127,12 @@ def tagged_tensors(spec: SearchSpec) -> tuple[tuple[str, ...], bool] | None:
     """The tensors of MaxText's custom policy that a ``--space tensors`` study of ``spec`` places
     when the user names none, and whether they are its stored study's: the stored study's own (it
     resumes as it was searched); else those the model's step tags on ``spec``'s target, traced by
-    a worker as a search's first step traces it (a ``decoder_block: default`` model tags ``mlpwi``,
-    a ``llama2`` one ``mlpwi_0`` and ``mlpwi_1``; flash attention on a TPU tags ``context``), in
-    a layer's order (:data:`~remat_search.plans.export.MAXTEXT_NAMES`). None where the step does not trace. Checks ``spec`` (:func:`checked`) before
-    a worker starts: a bad storage is refused first, and nothing is written."""
+    a worker as a search's first step traces it, in a layer's order
+    (:data:`~remat_search.plans.export.MAXTEXT_NAMES`). A ``decoder_block: default`` model tags
+    ``mlpwi``, a ``llama2`` one ``mlpwi_0`` and ``mlpwi_1``; flash attention on a TPU tags
+    ``context``, which ``dot_product`` attention does not. None where the step does not trace.
+    ``spec`` is checked (:func:`~remat_search.search.opening.checked`) before a worker starts: a
+    bad storage is refused first, and nothing is written."""
     import contextlib
 
     from remat_search.errors import StorageError
