@@ -182,7 +182,8 @@ def maxtext(
     from remat_search.plans.export import export
     from remat_search.report.maxtext import maxtext_answer
     from remat_search.report.stored import open_study
-    from remat_search.spec.maxtext_study import as_flags, maxtext_study, tagged_tensors
+    from remat_search.search.opening import tagged_tensors
+    from remat_search.spec.maxtext_study import as_flags, maxtext_study
 
     if form not in ("maxtext", "maxtext-args"):
         raise SpecError(f"--format: expected maxtext or maxtext-args, got {form!r}")

@@ -24,9 +24,10 @@ import optuna
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
+from remat_search.plans.export import MAXTEXT_NAMES
 from remat_search.report.stored import open_study
 from remat_search.search.configurations import check_workload, configurations, search_axes, sequence_of
-from remat_search.search.runners import no_remat_peak, resolve_budget
+from remat_search.search.runners import no_remat_peak, resolve_budget, runner_for
 from remat_search.search.samplers import check_sampler, make_sampler
 from remat_search.search.space import Space
 from remat_search.search.study import (
@@ -43,8 +44,8 @@ from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
 from remat_search.spec.workloads import TransformerConfig
 from remat_search.store import cache
-from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
 from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR
+from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
 from remat_search.store.storage import check_storage, open_storage, translate_errors
 from remat_search.targets.platform import offloads_to_host, quiet_libtpu
 from remat_search.workloads.base import build_workload
@@ -89,6 +90,26 @@ def checked(spec: SearchSpec) -> tuple[SearchSpec, Space]:
     space.check_functions()
     check_sampler(spec.sampler)
     return spec, space
+
+
+def tagged_tensors(spec: SearchSpec) -> tuple[tuple[str, ...], bool] | None:
+    """The tensors of MaxText's custom policy that a ``--space tensors`` study of ``spec`` places
+    when the user names none, and whether they are its stored study's: the stored study's own (it
+    resumes as it was searched); else those the model's step tags on ``spec``'s target, traced by
+    a worker as a search's first step traces it, in a layer's order
+    (:data:`~remat_search.plans.export.MAXTEXT_NAMES`). A ``decoder_block: default`` model tags
+    ``mlpwi``, a ``llama2`` one ``mlpwi_0`` and ``mlpwi_1``; flash attention on a TPU tags
+    ``context``, which ``dot_product`` attention does not. None where the step does not trace.
+    ``spec`` is :func:`checked` before a worker starts: a bad storage is refused first, and
+    nothing is written."""
+    spec_attr = (_stored_attrs(spec) or {}).get(SPEC_ATTR)
+    space = spec_attr.get("space") if isinstance(spec_attr, dict) else None
+    if isinstance(space, dict) and space.get("tensors"):
+        return tuple(space["tensors"]), True
+    spec, _ = checked(spec)
+    with runner_for(spec) as runner:
+        traced = runner.describe().traced_names
+    return None if traced is None else (tuple(n for n in MAXTEXT_NAMES if n in traced), False)
 
 
 def _timed_alone(spec: SearchSpec) -> SearchSpec:

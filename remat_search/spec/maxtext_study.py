@@ -24,7 +24,7 @@ DENSE_TENSORS = (
 """The tensors MaxText 0.2.5's dense decoder layer tags (``decoder_block: llama2``, gated MLP, as
 traced: ``attention_out``, not ``context``): :func:`maxtext_study`'s default names, which
 ``remat-search maxtext --space tensors`` replaces with those the model's traced step tags
-(:func:`tagged_tensors`) unless ``--tensors`` names others."""
+(:func:`~remat_search.search.opening.tagged_tensors`) unless ``--tensors`` names others."""
 TENSOR_TRIALS = 12
 """Candidates a ``--space tensors`` study compiles by default: its presets, then the planner's."""
 
@@ -46,8 +46,9 @@ def maxtext_study(
     error names the argument that set the field (:func:`as_flags`).
 
     ``tensors``: search MaxText's whole ``remat_policy: custom`` space instead of its presets,
-    each of these tensor names (empty: ``default_tensors``, such as :func:`tagged_tensors` gives)
-    on the device, recomputed or, on a TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
+    each of these tensor names (empty: ``default_tensors``, such as
+    :func:`~remat_search.search.opening.tagged_tensors` gives) on the device, recomputed or, on a
+    TPU topology, offloaded (``space: {layout: tensors}``), the planner choosing
     :data:`TENSOR_TRIALS` candidates by default; the config's own policy first, where the space
     states it (:func:`config_point`)."""
     from remat_search.plans.export import MAXTEXT_PRESETS, PINNED
@@ -121,34 +122,6 @@ def maxtext_study(
     except SpecError as e:
         raise as_flags(e) from None
     return spec
-
-
-def tagged_tensors(spec: SearchSpec) -> tuple[tuple[str, ...], bool] | None:
-    """The tensors of MaxText's custom policy that a ``--space tensors`` study of ``spec`` places
-    when the user names none, and whether they are its stored study's: the stored study's own (it
-    resumes as it was searched); else those the model's step tags on ``spec``'s target, traced by
-    a worker as a search's first step traces it, in a layer's order
-    (:data:`~remat_search.plans.export.MAXTEXT_NAMES`). A ``decoder_block: default`` model tags
-    ``mlpwi``, a ``llama2`` one ``mlpwi_0`` and ``mlpwi_1``; flash attention on a TPU tags
-    ``context``, which ``dot_product`` attention does not. None where the step does not trace.
-    ``spec`` is checked (:func:`~remat_search.search.opening.checked`) before a worker starts: a
-    bad storage is refused first, and nothing is written."""
-    import contextlib
-
-    from remat_search.errors import StorageError
-    from remat_search.plans.export import MAXTEXT_NAMES
-    from remat_search.report.stored import open_study
-    from remat_search.search.opening import checked
-    from remat_search.search.runners import runner_for
-
-    with contextlib.suppress(StorageError), open_study(spec.study, spec.storage) as stored:
-        space = (stored.attrs.get("spec") or {}).get("space")
-        if isinstance(space, dict) and space.get("tensors"):
-            return tuple(space["tensors"]), True
-    spec, _ = checked(spec)
-    with runner_for(spec) as runner:
-        traced = runner.describe().traced_names
-    return None if traced is None else (tuple(n for n in MAXTEXT_NAMES if n in traced), False)
 
 
 def config_point(read: Any, space: dict[str, Any]) -> dict[str, Any] | None:
