@@ -207,7 +207,7 @@ def maxtext(
                                    default_tensors=names)
             placed = loaded.space.tensors or ()  # type: ignore[union-attr]
             aside = [n for n in names if n not in placed]  # decoder_layer_input: on the device on local devices
-            output.note(f"--space tensors: {'the study' if stored else 'the traced step'}'s tensors: {', '.join(placed)}"
+            output.note(f"note: --space tensors: {'the study' if stored else 'the traced step'}'s tensors: {', '.join(placed)}"
                         + (f" ({', '.join(aside)} aside: MaxText keeps it on the device unless offloaded, which local "
                            "devices cannot)" if aside else "") + " (--tensors names others)")
     if isinstance(loaded.budget, int):

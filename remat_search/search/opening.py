@@ -24,7 +24,7 @@ import optuna
 from remat_search.errors import SpecError, StorageError
 from remat_search.measure.device import DeviceInfo
 from remat_search.measure.runner import Runner
-from remat_search.plans.export import MAXTEXT_NAMES
+from remat_search.plans.export import MAXTEXT_NAMES, PINNED
 from remat_search.report.stored import open_study
 from remat_search.search.configurations import check_workload, configurations, search_axes, sequence_of
 from remat_search.search.runners import no_remat_peak, resolve_budget, runner_for
@@ -42,7 +42,7 @@ from remat_search.search.study import (
 )
 from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
-from remat_search.spec.workloads import TransformerConfig
+from remat_search.spec.workloads import MaxTextConfig, TransformerConfig
 from remat_search.store import cache
 from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
@@ -208,7 +208,10 @@ def _warn_untagged(spec: SearchSpec, device: DeviceInfo) -> None:
         return
     if spec.space.layout == "tensors":  # its choices are the locations of every name it places: said once, by name
         untagged = [n for n in spec.space.tensors or () if n not in device.traced_names]
-        unplaced = [n for n in device.traced_names if n not in (spec.space.tensors or ())]
+        # MaxText keeps its layer's input on the device unless offloaded: with no offload, it has nothing to place
+        maxtext = isinstance(spec.workload, MaxTextConfig)
+        aside = {PINNED} if maxtext and "offload" not in {c.label for c in spec.space.choices} else set()
+        unplaced = [n for n in device.traced_names if n not in (spec.space.tensors or ()) and n not in aside]
         if untagged or unplaced:
             logger.warning(
                 "note: spec.space.tensors: %s", "; ".join(

@@ -255,9 +255,10 @@ def test_with_space_tensors_and_no_names_the_study_places_the_tensors_the_model_
     traced = study.user_attrs["device_info"]["traced_names"]
     assert "mlpwi" in placed and not {"mlpwi_0", "mlpwi_1"} & set(placed), placed
     assert sorted(placed) == sorted(set(traced) - {PINNED}), (placed, traced)
-    assert f"--space tensors: the traced step's tensors: {', '.join(placed)}" in out and len(trials) == 1
+    assert f"note: --space tensors: the traced step's tensors: {', '.join(placed)}" in out and len(trials) == 1
+    assert "the space does not place" not in out, out  # decoder_layer_input: nothing to place without offload
     out, trials = commanded(tmp_path, *command, "--trials", "1")  # refused, had it placed other names
-    assert f"--space tensors: the study's tensors: {', '.join(placed)}" in out and len(trials) == 1
+    assert f"note: --space tensors: the study's tensors: {', '.join(placed)}" in out and len(trials) == 1
 
 
 @needs_maxtext
@@ -351,6 +352,7 @@ def test_a_setting_maxtext_refuses_exits_2_with_one_line_and_nothing_written(tmp
      "error: --batch: the config's per_device_batch_size 0.375 × 4 chips is no whole global batch"),
     ([*TINY_ARGS, "--budget", "wide"], "error: --budget: expected"),
     (TINY_ARGS, "error: --budget: required here: cpu reports no memory limit"),  # found as the search opens
+    ([*TINY_ARGS, "--space", "tensors"], "error: --budget: required here"),  # after the step's tags are traced
 ])
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:mpmath.*")  # mpmath (MaxText imports it) warns of itself on import
 def test_the_maxtext_command_tells_bad_arguments_in_a_line_exit_2(tmp_path: Path, cli: Any, arguments: list[str], said: str) -> None:
