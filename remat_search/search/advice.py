@@ -26,7 +26,7 @@ from remat_search.search.space import Space
 from remat_search.spec.budget import Share, read_budget
 from remat_search.spec.loading import describe_validation_error
 from remat_search.spec.space import SpaceConfig
-from remat_search.store.attributes import LAYERS_ATTR
+from remat_search.store.attributes import LAYERS_ATTR, STACKS_ATTR
 from remat_search.units import format_bytes, format_seconds
 
 
@@ -172,7 +172,7 @@ def _stored_space(study: StoredStudy, layers: int) -> Space:
             f"study: {study.name!r} was not made by remat-search (it has no search space stored)"
         )
     try:
-        space = Space.of(SpaceConfig.model_validate(stored), max(layers, 1))
+        space = Space.of(SpaceConfig.model_validate(stored), max(layers, 1), study.attrs.get(STACKS_ATTR))
     except ValidationError as e:
         raise StorageError(
             f"study: {study.name!r} stores a search space that no longer validates "

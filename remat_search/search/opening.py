@@ -44,7 +44,7 @@ from remat_search.spec.budget import Share
 from remat_search.spec.models import SearchSpec
 from remat_search.spec.workloads import MaxTextConfig, TransformerConfig
 from remat_search.store import cache
-from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR
+from remat_search.store.attributes import LAYERS_ATTR, NO_REMAT_PEAK_ATTR, QUEUED_ATTR, SPEC_ATTR, STACKS_ATTR
 from remat_search.store.liveness import enqueue, heartbeat_storage_options, recover
 from remat_search.store.storage import check_storage, open_storage, translate_errors
 from remat_search.targets.platform import offloads_to_host, quiet_libtpu
@@ -85,7 +85,7 @@ def checked(spec: SearchSpec) -> tuple[SearchSpec, Space]:
     spec = _timed_alone(spec)
     with quiet_libtpu():  # a model built here (an NNX model's shapes, MaxText's loader) starts JAX's backends
         workload = build_workload(spec.workload)
-    space = Space.of(spec.space, workload.layers)
+    space = Space.of(spec.space, workload.layers, workload.stacks)
     space.check_names(workload.tensor_names)
     space.check_functions()
     check_sampler(spec.sampler)
@@ -281,6 +281,8 @@ def _prepare(spec: SearchSpec, study: optuna.Study, space: Space) -> None:
             study.set_metric_names(list(CONFIGURATION_METRIC_NAMES if spec.configuration else METRIC_NAMES))
     study.set_user_attr(SPEC_ATTR, stored_spec(spec))
     study.set_user_attr(LAYERS_ATTR, space.layers)
+    if space.stacks is not None:
+        study.set_user_attr(STACKS_ATTR, list(space.stacks))
     if spec.configuration is not None and not space.configurations:
         return  # its configurations are known once a device tells its mesh: queued by the search
     queued = [t.user_attrs.get(QUEUED_ATTR) for t in study.get_trials(deepcopy=False)]

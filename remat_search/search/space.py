@@ -54,6 +54,8 @@ class Space:
     configurations: tuple[Configuration, ...] = ()
     """The configurations searched (none: the spec's own batch and mesh)."""
     tensor_bytes: tuple[tuple[str, int], ...] = ()
+    stacks: tuple[int, ...] | None = None
+    """The model's scanned stacks (:attr:`Workload.stacks`), where it scans any."""
     """A ``tensors`` space's (name, bytes) of each tensor one layer saves, where the traced step told them."""
 
     def with_configurations(self, configurations: tuple[Configuration, ...]) -> Space:
@@ -65,9 +67,22 @@ class Space:
         return tuple(c.summary() for c in self.configurations)
 
     @classmethod
-    def of(cls, config: SpaceConfig, layers: int) -> Space:
+    def of(cls, config: SpaceConfig, layers: int, stacks: Sequence[int] | None = None) -> Space:
         """The space of ``config`` over ``layers`` layers; :class:`SpecError` if its segments
-        do not fit them."""
+        do not fit them. ``stacks``: the layers of each unit the model runs as one body (a
+        scanned stack; an unrolled layer is 1), where it scans any: a scan has one body, so a
+        ``per_layer`` space gives each stack one choice (``stack_00``, …), a ``segments`` space's
+        groups must be whole stacks, and none is nested."""
+        if stacks is None or all(n == 1 for n in stacks):
+            return cls._unrolled(config, layers)
+        if config.layout in ("uniform", "tensors"):
+            if config.nested:
+                raise SpecError("spec.space.nested: a scanned stack runs one body; it cannot be nested")
+            return replace(cls._unrolled(config, layers), stacks=tuple(stacks))
+        return replace(cls._over_stacks(config, layers, tuple(stacks)), stacks=tuple(stacks))
+
+    @classmethod
+    def _unrolled(cls, config: SpaceConfig, layers: int) -> Space:
         if config.layout == "uniform":
             return cls(config, layers, ("policy",), (tuple(range(layers)),))
         if config.layout == "tensors":
@@ -79,6 +94,32 @@ class Space:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return cls(
             config, layers, tuple(f"segment_{i:02d}" for i in range(len(sizes))),
+            tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True)),
+        )
+
+    @classmethod
+    def _over_stacks(cls, config: SpaceConfig, layers: int, stacks: tuple[int, ...]) -> Space:
+        """A ``per_layer`` or ``segments`` space over a model that scans: one choice a stack, or
+        a group of whole stacks (see :meth:`of`)."""
+        if config.nested:
+            raise SpecError("spec.space.nested: a scanned stack runs one body; it cannot be nested")
+        if sum(stacks) != layers:
+            raise SpecError(f"workload: its stacks {list(stacks)} hold {sum(stacks)} layers, not {layers}")
+        ends = {sum(stacks[: i + 1]) for i in range(len(stacks))}
+        if config.layout == "per_layer":
+            sizes = list(stacks)
+        else:
+            sizes = _segment_sizes(config, layers)
+            cut = sorted({sum(sizes[: i + 1]) for i in range(len(sizes))} - ends)
+            if cut:
+                raise SpecError(
+                    f"spec.space.segments: sizes {sizes} cut a scanned stack (the model's stacks are "
+                    f"{list(stacks)} layers; a scan has one body): end each group where a stack ends"
+                )
+        prefix = "stack" if config.layout == "per_layer" else "segment"
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return cls(
+            config, layers, tuple(f"{prefix}_{i:02d}" for i in range(len(sizes))),
             tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True)),
         )
 

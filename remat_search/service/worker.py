@@ -29,7 +29,7 @@ from remat_search.search.progress import Progress
 from remat_search.search.space import Space
 from remat_search.search.study import spec_of_submitted
 from remat_search.store.liveness import finished_trials, heartbeat_storage_options, recover
-from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR
+from remat_search.store.attributes import LAYERS_ATTR, SPEC_ATTR, STACKS_ATTR
 from remat_search.store.storage import open_storage, translate_errors
 
 Event = dict[str, Any]
@@ -106,7 +106,7 @@ def _running(study: optuna.Study) -> int:
 def _recover(study: optuna.Study, storage: str) -> None:
     """Take back ``study``'s dead running trials, with its own heartbeat settings."""
     spec = spec_of_submitted(study, storage)
-    space = Space.of(spec.space, study.user_attrs[LAYERS_ATTR])
+    space = Space.of(spec.space, study.user_attrs[LAYERS_ATTR], study.user_attrs.get(STACKS_ATTR))
     beating = open_storage(storage, heartbeat=heartbeat_storage_options(spec.heartbeat, space.n_params))
     recover(
         optuna.load_study(study_name=study.study_name, storage=beating), beating, n_params=space.n_params,

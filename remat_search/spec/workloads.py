@@ -24,9 +24,50 @@ from remat_search.spec.fields import Frozen, matching
 from remat_search.targets.platform import is_gpu, is_tpu
 
 
+class OptimizerConfig(Frozen):
+    """The optimizer a step trains with: an optax transformation by import path, or a function of
+    the user's returning one (``optax.adafactor``, ``my_project.train:make_optimizer``), called
+    with ``args``."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        return matching(value, r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*",
+                        "an import path such as 'optax.adafactor' or 'package.module:function'")
+
+    @property
+    def import_path(self) -> str:
+        """``package.module:name`` (``optax.adafactor`` is ``optax:adafactor``)."""
+        if ":" in self.factory:
+            return self.factory
+        module, _, name = self.factory.rpartition(".")
+        return f"{module}:{name}"
+
+
+class BatchConfig(Frozen):
+    """A batch of the user's own: ``factory`` (``"my_project.data:example_batch"``) called with
+    ``args`` (and ``key``, a JAX PRNG key, where it takes one) returns it: an array, a tuple or a
+    dict of arrays. The model is called with ``model_input`` of it (a dict's key, a tuple's
+    index; default: an array itself, a tuple's first item, a dict whole)."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    model_input: str | int | None = None
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        return matching(value, r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "an import path 'package.module:function'")
+
+
 class _WorkloadConfig(Frozen):
     """What every kind of workload may take besides its own fields."""
 
+    optimizer: OptimizerConfig | None = None
+    """The optimizer whose state the step carries; None: AdamW (learning rate 1e-3)."""
     params_from: str | None = None
     """The folder of an Orbax checkpoint of the model's parameters: their shapes, dtypes and,
     where stored, shardings are read from its metadata (never its arrays) and replace the
@@ -38,7 +79,7 @@ class _WorkloadConfig(Frozen):
         """Kept absolute: a study's workers may start from another working directory."""
         return None if value is None else os.path.abspath(os.path.expanduser(value))
 
-    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from",)
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from", "optimizer")
     """Fields added after studies were stored: left out of the dump while null."""
 
     @model_serializer(mode="wrap")
@@ -154,6 +195,18 @@ e.g. ``[[batch, [data, fsdp]], [embed, fsdp], [mlp, tensor]]``: how a model's lo
 ``spec.mesh`` does not list is at size 1 (not split over)."""
 
 
+def _check_batch(config: Any) -> Any:
+    """Tokens need ``seq_len`` and ``vocab``; a batch of one's own needs a loss over it."""
+    if isinstance(config.batch, int):
+        missing = [f for f in ("seq_len", "vocab") if getattr(config, f) is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: required with a token batch (batch: N); or give batch: {{factory: ...}}")
+    elif config.loss is None and getattr(config, "model_loss", None) is None:
+        raise ValueError("loss: a batch of your own (batch: {factory: ...}) needs a loss: 'package.module:fn' "
+                         "taking (outputs, batch) and returning a scalar")
+    return config
+
+
 def rule_targets(rules: AxisRules | None) -> frozenset[str]:
     """The mesh axes logical axis ``rules`` (:data:`AxisRules`) map onto."""
     return frozenset(
@@ -171,24 +224,34 @@ class NnxConfig(_WorkloadConfig):
     args: dict[str, Any] = Field(default_factory=dict)
     """The constructor's keyword arguments."""
     blocks: str = "blocks"
-    """The attribute (a dotted path: ``decoder.layers``) holding the list of blocks the
-    model's ``__call__`` runs; each is checkpointed by its layer's policy."""
-    batch: PositiveInt
-    seq_len: PositiveInt
-    vocab: PositiveInt
-    """The default loss: next-token cross-entropy of ``model(tokens)``'s logits on random
-    int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``."""
+    """The attribute (a dotted path: ``decoder.layers``) holding the model's blocks: a list the
+    model's ``__call__`` runs (each block checkpointed by its layer's policy), or one stack of
+    blocks made with ``nnx.vmap`` and run with ``nnx.scan`` (its body checkpointed by one policy)."""
+    layers: PositiveInt | None = None
+    """How many layers the model has, where you want it checked: a program that runs another
+    number is refused (None: the program's own count)."""
+    batch: PositiveInt | BatchConfig
+    """Random int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``, or a batch of your own
+    (:class:`BatchConfig`)."""
+    seq_len: PositiveInt | None = None
+    vocab: PositiveInt | None = None
+    """The default loss: next-token cross-entropy of ``model(tokens)``'s logits."""
     loss: str | None = None
-    """Or ``"package.module:function"``: ``fn(logits, tokens) -> scalar``."""
+    """Or ``"package.module:function"``: ``fn(outputs, batch) -> scalar``."""
     model_loss: str | None = None
-    """Or the model's own loss, ``"package.module:function"``: ``fn(model, tokens) -> scalar``,
+    """Or the model's own loss, ``"package.module:function"``: ``fn(model, batch) -> scalar``,
     given the model with its blocks checkpointed (it calls the model itself). Not with ``loss``."""
     logical_axis_rules: AxisRules | None = None
     """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
     mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
 
-    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from", "model_loss")
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = (
+        "params_from", "optimizer", "model_loss", "layers", "seq_len", "vocab")
     _import_paths = field_validator("model", "loss", "model_loss")(lambda value: _import_path(value))
+
+    @model_validator(mode="after")
+    def _batch_named(self) -> Any:
+        return _check_batch(self)
 
     @field_validator("model_loss")
     @classmethod
@@ -218,18 +281,28 @@ class LinenConfig(_WorkloadConfig):
     args: dict[str, Any] = Field(default_factory=dict)
     block: str | None = None
     blocks: str | None = None
-    batch: PositiveInt
-    seq_len: PositiveInt
-    vocab: PositiveInt
+    layers: PositiveInt | None = None
+    """How many layers the model has, where you want it checked: a program that runs another
+    number is refused (None: the program's own count)."""
+    batch: PositiveInt | BatchConfig
+    """Random int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``, or a batch of your own
+    (:class:`BatchConfig`)."""
+    seq_len: PositiveInt | None = None
+    vocab: PositiveInt | None = None
     loss: str | None = None
-    """``"package.module:function"``, ``fn(logits, tokens) -> scalar``; default (null): the
+    """``"package.module:function"``, ``fn(outputs, batch) -> scalar``; default (null): the
     next-token cross-entropy of the logits on the tokens."""
     logical_axis_rules: AxisRules | None = None
     """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
     mesh, its parameters are sharded as its ``nn.with_logical_partitioning`` metadata says,
     by these rules, and they are in force while its step is traced (``nn.logical_axis_rules``)."""
 
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from", "optimizer", "layers", "seq_len", "vocab")
     _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
+
+    @model_validator(mode="after")
+    def _batch_named(self) -> Any:
+        return _check_batch(self)
 
     @field_validator("blocks")
     @classmethod
@@ -265,6 +338,13 @@ class MaxTextConfig(_WorkloadConfig):
     @classmethod
     def _config_absolute(cls, value: str | None) -> str | None:
         return None if value is None else os.path.abspath(os.path.expanduser(value))
+
+    @field_validator("optimizer")
+    @classmethod
+    def _maxtext_optimizer(cls, value: OptimizerConfig | None) -> None:
+        if value is not None:
+            raise ValueError("MaxText trains with its own optimizer: set opt_type and its keys in overrides")
+        return value
 
     def model_keys(self) -> dict[str, Any]:
         """The keys given to MaxText's loader: ``model_name`` (where given), then the overrides."""

@@ -34,6 +34,8 @@ QUEUED_ATTR = "queued_params"
 keeps only in a private system attribute, before its parameters are suggested."""
 # Study user attributes.
 LAYERS_ATTR = "layers"
+STACKS_ATTR = "stacks"
+"""The layers of each unit the model runs as one body (a scanned stack), where it scans any."""
 NO_REMAT_PEAK_ATTR = "no_remat_peak"
 """The compiled peak of the uniform no-remat plan at the study's own batch and mesh, where a
 search resolved a share budget (``70%``) against it: what a query's share is taken of, so that

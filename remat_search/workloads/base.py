@@ -60,6 +60,10 @@ class Workload(abc.ABC):
     name: str
     layers: int
     tensor_names: frozenset[str] = frozenset()
+    stacks: tuple[int, ...] | None = None
+    """The layers of each unit the model runs as one body, in order (a scanned stack of 4 is 4,
+    an unrolled layer 1), where it scans any; None: every layer its own. A plan gives each stack
+    one policy."""
     mesh: Mesh | None = None
     """The target's device mesh (None: one device), given by :meth:`use_mesh` before anything
     is traced."""

@@ -3,19 +3,19 @@
 The spec names the model (``model: "package.module:Decoder"`` and its ``args``) and its
 layers: ``block`` (the class of its blocks) or ``blocks`` (the submodule names: ``blocks``
 matches ``blocks`` and ``blocks_0``, ``blocks_1``, …, as a list attribute made in ``setup``
-names its items). The model's source is not touched. While the loss runs the model,
-``nn.intercept_methods`` catches each call of a matching module's ``__call__``; the ``i``-th
-such call in the forward pass is layer ``i``, and it runs inside ``nn.checkpoint`` (the
-lifted ``jax.checkpoint``, which is what ``nn.remat(Block, policy=...)`` applies) with the
-plan's policy for ``i`` (:meth:`~remat_search.plans.plan.RematPlan.policy_for`), or as it is for
-``none``. Calls inside a layer are the layer's own. A model whose structure does not allow
-this (no matching call, or a different number of calls than the plan has layers) is a
-one-line :class:`~remat_search.errors.WorkloadError`.
+names its items, and the ``name`` given to an ``nn.scan`` of a block). The model's source is not
+touched. While the model runs, ``nn.intercept_methods`` catches each ``__call__`` of a matching
+module; each distinct module (its scope path) is one **unit**: an unrolled block is one layer, a
+block run by ``nn.scan`` (or ``nn.scan(nn.remat(Block))``) is a **stack** of as many layers as
+the scan's length. The layer count comes from the traced program (:func:`~remat_search.workloads.
+tracing.layer_runs`), never from counting calls: a scan's body is traced more than once. Each
+unit's call runs inside ``nn.checkpoint`` (the lifted ``jax.checkpoint``, which is what
+``nn.remat(Block, policy=...)`` applies) with the plan's policy for its layers, one policy for a
+stack's body, or as it is for ``none``. Calls inside a layer are the layer's own.
 
-Parameters come from the model's ``init`` (its ``params`` collection); the batch is random
-int32 tokens ``[batch, seq_len]`` in ``[0, vocab)``; the loss is ``loss(logits, tokens)``
-if the spec names one, else the next-token cross-entropy. ``tensor_names`` are the
-``checkpoint_name`` tags the traced forward pass emits.
+:func:`apply_linen` is that application for a trainer: ``model.apply`` with a plan applied, the
+program the search measured. Parameters come from the model's ``init`` (its ``params``
+collection); the inputs and loss are the spec's (:mod:`~remat_search.workloads.inputs`).
 """
 
 from __future__ import annotations
@@ -23,24 +23,212 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import LinenConfig, rule_targets
-from remat_search.workloads.base import PyTree, Workload, next_token_loss
+from remat_search.workloads.base import PyTree, Workload
+from remat_search.workloads.inputs import Inputs, check_scalar
 from remat_search.workloads.sharding import flax_tracing
-from remat_search.workloads.tracing import traced_names
+from remat_search.workloads.tracing import layer_runs, mark_layer, traced_names, without_marks
 
 _inside_layer: contextvars.ContextVar[bool] = contextvars.ContextVar("inside_layer", default=False)
 """True while a layer runs: the calls it makes are its own, not layers."""
+
+
+class LayerMatch(NamedTuple):
+    """Which calls of a linen model are its layers: of an instance of ``block`` (a class), or of
+    a submodule named ``blocks`` or ``blocks_<i>`` (None: any name)."""
+
+    block: type | None
+    blocks: str | None
+    block_name: str | None = None
+    """How the spec wrote ``block`` (``package.module:Block``), for an error."""
+
+    def __call__(self, module: nn.Module, method_name: str) -> bool:
+        if method_name != "__call__" or _inside_layer.get():
+            return False
+        if self.block is not None and not isinstance(module, self.block):
+            return False
+        return self.blocks is None or re.fullmatch(rf"{re.escape(self.blocks)}(_\d+)?", module.name or "") is not None
+
+    def wanted(self) -> tuple[str, str]:
+        """The spec field naming the layers, and what it names, for an error."""
+        if self.block is not None:
+            return "workload.block", repr(self.block_name or f"{self.block.__module__}:{self.block.__qualname__}")
+        return "workload.blocks", f"named {self.blocks!r} or {str(self.blocks) + '_<i>'!r}"
+
+
+class Unit(NamedTuple):
+    """One layer module of a linen model: its scope path, its first layer and how many layers
+    it runs (one unrolled, a scan's length stacked)."""
+
+    path: tuple[str, ...]
+    start: int
+    layers: int
+
+
+def linen_units(module: nn.Module, match: LayerMatch, variables: PyTree, *args: Any, **kwargs: Any) -> tuple[Unit, ...]:
+    """The layer units of ``module.apply(variables, *args, **kwargs)`` (shapes suffice), in the
+    program's order; a :class:`WorkloadError` naming the layers' field where it runs none, or a
+    layer in a loop of no static length."""
+    paths: list[tuple[str, ...]] = []
+
+    field, wanted = match.wanted()
+
+    def mark(next_fun: Callable[..., Any], call_args: Any, call_kwargs: Any, context: Any) -> Any:
+        if match(context.module, "__call__") and _own_remat(type(context.module)):
+            raise WorkloadError(
+                f"{field}: {context.module.name!r} runs under the model's own nn.remat, so a "
+                "plan's policy would run inside it and the model's remat would decide what is saved; build "
+                "the model without its remat (its own remat flag or policy argument) to search it"
+            )
+        if not match(context.module, context.method_name):
+            return next_fun(*call_args, **call_kwargs)
+        path = tuple(context.module.scope.path)
+        if path not in paths:
+            paths.append(path)
+        with _layer():
+            return mark_layer(next_fun(*call_args, **call_kwargs), paths.index(path))
+
+    def forward(v: PyTree, a: Any, k: Any) -> Any:
+        with nn.intercept_methods(mark):
+            return module.apply(v, *a, **k)
+
+    jaxpr = jax.make_jaxpr(forward)(variables, args, kwargs)
+    try:
+        runs = layer_runs(jaxpr)
+    except ValueError as e:
+        raise WorkloadError(f"{field}: the model {e}; run its layers unrolled or with nn.scan") from None
+    if not paths:
+        raise WorkloadError(
+            f"{field}: the model makes no call of a module {wanted}, so there are no layers to checkpoint; "
+            "name the class of its blocks (workload.block) or the attribute that holds them (workload.blocks)"
+        )
+    units, start = [], 0
+    for i, path in enumerate(paths):
+        units.append(Unit(path, start, runs.get(i, 0)))
+        start += runs.get(i, 0)
+    return tuple(u for u in units if u.layers)
+
+
+def _own_remat(cls: type) -> bool:
+    """Whether ``cls`` is a class ``nn.remat`` (``nn.checkpoint``) made: its ``__call__`` runs
+    under Flax's lifted checkpoint."""
+    from flax.core import lift
+
+    fn = cls.__dict__.get("__call__")
+    while fn is not None:
+        names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+        if "transform" in names:
+            cell = fn.__closure__[names.index("transform")]
+            if cell.cell_contents is lift.checkpoint:
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def apply_linen(model: nn.Module, plan: RematPlan, *, block: type | None = None,
+                blocks: str | None = None) -> Callable[..., Any]:
+    """``model.apply`` with ``plan`` applied: the returned ``apply(variables, *args, **kwargs)``
+    runs ``model`` as written, each layer (the calls of an instance of ``block``, or of the
+    submodules named ``blocks`` / ``blocks_<i>``, as the spec's ``workload.block`` and
+    ``workload.blocks``) under ``nn.checkpoint`` with its policy of ``plan``; a scanned stack's
+    body (``nn.scan(Block, ..., length=N)``) with the one policy of its ``N`` layers. The
+    variables' tree is the model's own, whatever the plan, so a checkpoint loads as before.
+
+    The layers are found by tracing the first call at its inputs' shapes (again at new shapes).
+    A plan with another number of layers than the model runs, or two policies in one stack, is a
+    :class:`SpecError`; no matching call a :class:`WorkloadError`. The search measures a plan
+    through this function, so the program a trainer compiles with it is the measured one."""
+    if block is None and blocks is None:
+        raise SpecError("apply_linen: name the model's layers: block=BlockClass or blocks='attribute'")
+    match = LayerMatch(block, blocks)
+    found: dict[Any, tuple[Unit, ...]] = {}
+
+    def apply(variables: PyTree, *args: Any, **kwargs: Any) -> Any:
+        key = jax.tree.structure((variables, args, kwargs)), tuple(
+            (getattr(a, "shape", None), str(getattr(a, "dtype", a))) for a in jax.tree.leaves((variables, args, kwargs))
+        )
+        if key not in found:
+            found[key] = linen_units(model, match, *_shapes((variables, *args)), **_shapes(kwargs))
+        with checkpointed_layers(match, plan, found[key]):
+            return model.apply(variables, *args, **kwargs)
+
+    return apply
+
+
+def _shapes(tree: Any) -> Any:
+    """Arrays as their shapes, anything else (flags, None) as it is."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+
+
+def check_plan(plan: RematPlan, units: Sequence[Unit]) -> None:
+    """A :class:`SpecError` unless ``plan`` has a layer for each layer ``units`` run and one
+    policy over each stack."""
+    layers = sum(u.layers for u in units)
+    if plan.layout != "flat":
+        raise SpecError(f"plan: layout {plan.layout!r} is not supported for linen models; use layout 'flat'")
+    if len(plan.layers) != layers:
+        raise SpecError(f"plan: has {len(plan.layers)} layers, the model runs {layers}")
+    for u in units:
+        if len(set(plan.layers[u.start : u.start + u.layers])) > 1:
+            raise SpecError(
+                f"plan: layers {u.start}–{u.start + u.layers - 1} are one scanned stack "
+                f"({'/'.join(u.path)}), whose one body takes one policy; it gives them several"
+            )
+
+
+@contextlib.contextmanager
+def checkpointed_layers(match: LayerMatch, plan: RematPlan, units: Sequence[Unit]) -> Iterator[None]:
+    """While active, each layer call of a unit of ``units`` runs under ``nn.checkpoint`` with
+    its policy of ``plan`` (unwrapped for ``none``; ``prevent_cse=False`` in a stack, as scanned
+    remat wants)."""
+    check_plan(plan, units)
+    by_path = {u.path: u for u in units}
+
+    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        if not match(context.module, context.method_name):
+            return next_fun(*args, **kwargs)
+        unit = by_path.get(tuple(context.module.scope.path))
+        if unit is None:
+            raise WorkloadError(f"workload: the model called a layer {'/'.join(context.module.scope.path)!r} "
+                                "its structure trace did not run")
+        if not plan.layers[unit.start].checkpoints:
+            with _layer():
+                return next_fun(*args, **kwargs)
+        # Arrays pass through the checkpoint as arguments; the rest (flags, None) is closed over.
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
+
+        def run(module: nn.Module, *arrays: jax.Array) -> Any:
+            it = iter(arrays)
+            a, k = jax.tree.unflatten(tree, [next(it) if arr else leaf for leaf, arr in zip(leaves, is_array, strict=True)])
+            with _layer():
+                return getattr(module, context.method_name)(*a, **k)
+
+        checkpointed = nn.checkpoint(run, policy=plan.policy_for(unit.start), prevent_cse=unit.layers == 1)
+        return checkpointed(context.module, *(leaf for leaf, arr in zip(leaves, is_array, strict=True) if arr))
+
+    with nn.intercept_methods(interceptor):
+        yield
+
+
+@contextlib.contextmanager
+def _layer() -> Iterator[None]:
+    """Marks the calls made inside a layer as the layer's own, not layers."""
+    token = _inside_layer.set(True)
+    try:
+        yield
+    finally:
+        _inside_layer.reset(token)
 
 
 class LinenWorkload(Workload):
@@ -55,66 +243,62 @@ class LinenWorkload(Workload):
             raise WorkloadError(
                 f"workload.model: {config.model!r} gave {type(self.module).__name__}, expected a flax.linen Module"
             )
-        self.block_cls = import_object(config.block, "workload.block") if config.block else None
-        if self.block_cls is not None and not (isinstance(self.block_cls, type) and issubclass(self.block_cls, nn.Module)):
+        block_cls = import_object(config.block, "workload.block") if config.block else None
+        if block_cls is not None and not (isinstance(block_cls, type) and issubclass(block_cls, nn.Module)):
             raise WorkloadError(f"workload.block: {config.block!r} is not a flax.linen Module class")
-        self.loss_fn = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
-        if not callable(self.loss_fn):
-            raise WorkloadError(f"workload.loss: {config.loss!r} is not a function (logits, tokens) -> loss")
-        self.layers, self.tensor_names = self._inspect()
+        self.match = LayerMatch(block_cls, config.blocks, config.block)
+        self.inputs_of = Inputs(config)
+        self.units, self.tensor_names = self._inspect()
+        self.layers = sum(u.layers for u in self.units)
+        self.stacks = tuple(u.layers for u in self.units)
 
-    def _is_layer(self, module: nn.Module, method_name: str) -> bool:
-        """Whether a call of ``module.method_name`` is one of the layers the spec names."""
-        if method_name != "__call__" or _inside_layer.get():
-            return False
-        if self.block_cls is not None and not isinstance(module, self.block_cls):
-            return False
-        pattern = self.config.blocks
-        return pattern is None or re.fullmatch(rf"{re.escape(pattern)}(_\d+)?", module.name or "") is not None
-
-    def _inspect(self) -> tuple[int, frozenset[str]]:
-        """Trace the forward pass once: how many layer calls it makes, which names it emits,
-        and that its logits have the shape the loss needs."""
+    def _inspect(self) -> tuple[tuple[Unit, ...], frozenset[str]]:
+        """Trace the forward pass once: its layer units, the names it emits, and that its
+        outputs suit the loss."""
         c = self.config
-        where = "workload.block" if c.block else "workload.blocks"
-        wanted = repr(c.block) if c.block else f"named {c.blocks!r} or {c.blocks + '_<i>'!r}"
-        calls: list[str] = []
-
-        def count(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-            if not self._is_layer(context.module, context.method_name):
-                return next_fun(*args, **kwargs)
-            calls.append(context.module.name or "")
-            with _layer():
-                return next_fun(*args, **kwargs)
-
-        def forward(params: PyTree, tokens: jax.Array) -> jax.Array:
-            with nn.intercept_methods(count):
-                return self.module.apply({"params": params}, tokens)
-
         params = self._init_shapes()
-        tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32)
+        batch = self.inputs_of.abstract_batch()
+        (arg,) = self.inputs_of.model_args(batch)
         try:
-            jaxpr = jax.make_jaxpr(forward)(params, tokens)
+            units = linen_units(self.module, self.match, {"params": params}, arg)
+            outputs = jax.eval_shape(lambda p, a: self.module.apply({"params": p}, a), params, arg)
+        except WorkloadError:
+            raise
         except Exception as e:  # noqa: BLE001 - a model that does not trace is the user's
-            raise WorkloadError(f"workload.model: {c.model!r} does not run on tokens [{c.batch}, {c.seq_len}] "
+            raise WorkloadError(f"workload.model: {c.model!r} does not run on {self.inputs_of.describe()} "
                                 f"({type(e).__name__}: {_first_line(e)})") from None
-        if not calls:
+        self.inputs_of.check_outputs(outputs)
+        field = c.block and "workload.block" or "workload.blocks"
+        for u in units:
+            stacked = _leading_axes(params, u.path)
+            if u.layers > 1 and stacked and stacked != {u.layers}:
+                raise WorkloadError(
+                    f"{field}: {'/'.join(u.path)!r} runs {u.layers} layers but holds parameters stacked "
+                    f"over {sorted(stacked)}: its calls and its layers disagree"
+                )
+        layers = sum(u.layers for u in units)
+        if c.layers is not None and layers != c.layers:
             raise WorkloadError(
-                f"{where}: the model makes no call of a module {wanted}, so there are no layers to checkpoint; "
-                "name the class of its blocks (workload.block) or the attribute that holds them (workload.blocks)"
+                f"workload.layers: the model runs {layers} layers ({_describe(units)}), the spec says {c.layers}"
             )
-        (logits,) = jaxpr.out_avals if len(jaxpr.out_avals) == 1 else (None,)
-        expected = (c.batch, c.seq_len, c.vocab)
-        if logits is None or tuple(logits.shape) != expected:
-            got = [tuple(a.shape) for a in jaxpr.out_avals]
-            raise WorkloadError(f"workload.model: returns {got}, expected logits of shape {list(expected)}")
-        return len(calls), traced_names(jaxpr)
+        try:
+            jaxpr = jax.make_jaxpr(self.loss(RematPlan.uniform("none", layers), units))(params, batch)
+        except WorkloadError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise WorkloadError(f"workload.loss: does not trace ({type(e).__name__}: {_first_line(e)})") from None
+        check_scalar(jaxpr, "workload.loss")
+        return units, without_marks(traced_names(jaxpr))
+
+    def note(self) -> str | None:
+        """The layers as the model runs them, where it scans any."""
+        return None if all(u.layers == 1 for u in self.units) else f"layers: {_describe(self.units)}"
 
     def _init_shapes(self) -> PyTree:
         c = self.config
-        tokens = jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32)
+        (arg,) = self.inputs_of.model_args(self.inputs_of.abstract_batch())
         try:
-            variables = jax.eval_shape(self.module.init, jax.random.key(0), tokens)
+            variables = jax.eval_shape(self.module.init, jax.random.key(0), arg)
         except Exception as e:  # noqa: BLE001
             raise WorkloadError(f"workload.model: {c.model!r} does not initialise "
                                 f"({type(e).__name__}: {_first_line(e)})") from None
@@ -126,8 +310,8 @@ class LinenWorkload(Workload):
         return nn.meta.unbox(self._boxed)
 
     def init_params(self, key: jax.Array) -> PyTree:
-        tokens = jnp.zeros((1, self.config.seq_len), jnp.int32)
-        return nn.meta.unbox(self.module.init(key, tokens)["params"])
+        (arg,) = self.inputs_of.model_args(self.inputs_of.make_batch(jax.random.key(0)))
+        return nn.meta.unbox(self.module.init(key, arg)["params"])
 
     def param_partitioning(self) -> PyTree | None:
         """The model's own: each parameter's ``nn.with_partitioning`` mesh axes, or its
@@ -163,76 +347,42 @@ class LinenWorkload(Workload):
         return flax_tracing(self.config.logical_axis_rules, self.mesh)
 
     def make_batch(self, key: jax.Array) -> PyTree:
-        c = self.config
-        return jax.random.randint(key, (c.batch, c.seq_len), 0, c.vocab, dtype=jnp.int32)
+        return self.inputs_of.make_batch(key)
 
-    def forward(self, plan: RematPlan | None = None) -> Callable[[PyTree, jax.Array], jax.Array]:
-        """``(params, tokens) -> logits``, each layer checkpointed by ``plan`` (None: as the
+    def forward(self, plan: RematPlan | None = None,
+                units: Sequence[Unit] | None = None) -> Callable[[PyTree, PyTree], Any]:
+        """``(params, batch) -> outputs``, each layer checkpointed by ``plan`` (None: as the
         model is, no interception)."""
+        model_args = self.inputs_of.model_args
         if plan is None:
-            return lambda params, tokens: self.module.apply({"params": params}, tokens)
-        if plan.layout != "flat":
-            raise SpecError(f"plan: layout {plan.layout!r} is not supported for linen models; use layout 'flat'")
-        if len(plan.layers) != self.layers:
-            raise SpecError(f"plan: has {len(plan.layers)} layers, the workload has {self.layers}")
+            return lambda params, batch: self.module.apply({"params": params}, *model_args(batch))
+        units = self.units if units is None else units
+        check_plan(plan, units)
 
-        def apply(params: PyTree, tokens: jax.Array) -> jax.Array:
-            with _checkpointed_layers(self, plan) as calls:
-                logits = self.module.apply({"params": params}, tokens)
-            if len(calls) != self.layers:
-                raise WorkloadError(f"workload: the model made {len(calls)} layer calls, {self.layers} when inspected")
-            return logits
+        def apply(params: PyTree, batch: PyTree) -> Any:
+            with checkpointed_layers(self.match, plan, units):
+                return self.module.apply({"params": params}, *model_args(batch))
 
         return apply
 
-    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
-        forward = self.forward(plan)
-        return lambda params, tokens: self.loss_fn(forward(params, tokens), tokens)
+    def loss(self, plan: RematPlan, units: Sequence[Unit] | None = None) -> Callable[[PyTree, PyTree], jax.Array]:
+        forward = self.forward(plan, units)
+        return lambda params, batch: self.inputs_of.loss(forward(params, batch), batch)
 
 
-@contextlib.contextmanager
-def _checkpointed_layers(workload: LinenWorkload, plan: RematPlan) -> Iterator[list[str]]:
-    """While active, the ``i``-th layer call runs under ``nn.checkpoint`` with the policy of
-    ``plan``'s layer ``i`` (unwrapped for ``none``). Yields the list of layer calls made."""
-    calls: list[str] = []
-
-    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-        if not workload._is_layer(context.module, context.method_name):
-            return next_fun(*args, **kwargs)
-        layer = len(calls)
-        calls.append(context.module.name or "")
-        if layer >= len(plan.layers):
-            raise WorkloadError(
-                f"workload: the model made more layer calls than the {len(plan.layers)} it made when inspected"
-            )
-        if not plan.layers[layer].checkpoints:
-            with _layer():
-                return next_fun(*args, **kwargs)
-        # Arrays pass through the checkpoint as arguments; the rest (flags, None) is closed over.
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
-
-        def run(module: nn.Module, *arrays: jax.Array) -> Any:
-            it = iter(arrays)
-            a, k = jax.tree.unflatten(tree, [next(it) if arr else leaf for leaf, arr in zip(leaves, is_array, strict=True)])
-            with _layer():
-                return getattr(module, context.method_name)(*a, **k)
-
-        checkpointed = nn.checkpoint(run, policy=plan.policy_for(layer), prevent_cse=True)
-        return checkpointed(context.module, *(leaf for leaf, arr in zip(leaves, is_array, strict=True) if arr))
-
-    with nn.intercept_methods(interceptor):
-        yield calls
+def _leading_axes(params: PyTree, path: tuple[str, ...]) -> set[int]:
+    """The leading axes of the parameters under ``path`` (the scope's), empty where it holds none."""
+    node: Any = params
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return set()
+        node = node[part]
+    return {a.shape[0] for a in jax.tree.leaves(node) if getattr(a, "ndim", 0)}
 
 
-@contextlib.contextmanager
-def _layer() -> Iterator[None]:
-    """Marks the calls made inside a layer as the layer's own, not layers."""
-    token = _inside_layer.set(True)
-    try:
-        yield
-    finally:
-        _inside_layer.reset(token)
+def _describe(units: Sequence[Unit]) -> str:
+    """``layers/ ×4 (scanned)``, ``blocks_0, blocks_1``."""
+    return ", ".join(f"{'/'.join(u.path)} ×{u.layers} (scanned)" if u.layers > 1 else "/".join(u.path) for u in units)
 
 
 def _call(fn: Any, args: dict[str, Any], where: str) -> Any:

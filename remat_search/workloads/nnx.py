@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -38,9 +37,10 @@ from remat_search.errors import SpecError, WorkloadError
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import NnxConfig, rule_targets
-from remat_search.workloads.base import PyTree, Workload, next_token_loss
+from remat_search.workloads.base import PyTree, Workload
 from remat_search.workloads.sharding import flax_tracing
-from remat_search.workloads.tracing import traced_names
+from remat_search.workloads.inputs import Inputs, check_scalar
+from remat_search.workloads.tracing import layer_runs, mark_layer, traced_names, without_marks
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -51,10 +51,12 @@ class Checkpointed(nnx.Module):
     block's updated variables (an RNG count, statistics) are written back after the call."""
 
     def __init__(self, block: nnx.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
-                 on_call: Callable[[], None] | None = None) -> None:
+                 on_call: Callable[[], None] | None = None, mark: int | None = None) -> None:
         self.block = block
         self._wrap = wrap
         self._on_call = on_call
+        self._mark = mark
+        """A structure trace's unit number: the output is tagged with it (:func:`mark_layer`)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._on_call is not None:
@@ -73,13 +75,15 @@ class Checkpointed(nnx.Module):
 
         out, new_state = self._wrap(pure)(state, [leaves[i] for i in dynamic])
         nnx.update(self.block, new_state)
-        return out
+        return out if self._mark is None else mark_layer(out, self._mark)
 
 
 def find_blocks(model: nnx.Module, path: str, *, field: str) -> tuple[Any, str, Any]:
-    """``(owner, attribute, blocks)``: the list of blocks at the attribute ``path`` (dotted:
-    ``decoder.layers``) of ``model`` and where it hangs; else a one-line :class:`WorkloadError`
-    naming ``field`` (the spec's ``workload.blocks``, or ``apply_nnx``'s ``blocks``)."""
+    """``(owner, attribute, blocks)``: the blocks at the attribute ``path`` (dotted:
+    ``decoder.layers``) of ``model`` and where they hang: a list of modules, or one module whose
+    parameters are stacked over its layers (made with ``nnx.vmap``, run with ``nnx.scan``); else
+    a one-line :class:`WorkloadError` naming ``field`` (the spec's ``workload.blocks``, or
+    ``apply_nnx``'s ``blocks``)."""
     owner, parents = [model], path.split(".")
     for i, name in enumerate(parents):
         if not hasattr(owner[-1], name):
@@ -90,21 +94,48 @@ def find_blocks(model: nnx.Module, path: str, *, field: str) -> tuple[Any, str, 
             )
         owner.append(getattr(owner[-1], name))
     blocks = owner[-1]
+    if isinstance(blocks, Checkpointed):
+        blocks = blocks.block
+    if isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List):
+        stack_length(blocks, path, field=field)
+        return owner[-2], parents[-1], blocks
     if not isinstance(blocks, (list, tuple, nnx.List)) or not len(blocks) or not all(
         isinstance(b, nnx.Module) for b in blocks
     ):
         raise WorkloadError(
             f"{field}: {path!r} is {type(blocks).__name__}, expected a non-empty list of the "
-            "nnx.Modules the model's __call__ runs (an nnx.List or a list)"
+            "nnx.Modules the model's __call__ runs (an nnx.List or a list), or one stack of them made with nnx.vmap"
         )
     return owner[-2], parents[-1], blocks
 
 
-def wrap_blocks(model: nnx.Module, plan: RematPlan, path: str, *, field: str) -> list[int]:
+def stack_length(stack: nnx.Module, path: str, *, field: str) -> int:
+    """The layers of a stacked block (made with ``nnx.vmap``): the one leading axis of its
+    parameters; else a one-line :class:`WorkloadError` naming ``field``."""
+    leading = {v.shape[0] if v.ndim else None for v in jax.tree.leaves(nnx.state(stack, nnx.Param))}
+    if len(leading) != 1 or None in leading:
+        raise WorkloadError(
+            f"{field}: {path!r} is one {type(stack).__name__} whose parameters are not stacked over layers "
+            f"(leading axes {sorted(leading, key=str)}); expected a list of blocks, or one block made with nnx.vmap"
+        )
+    return int(next(iter(leading)))  # type: ignore[arg-type]
+
+
+def block_units(blocks: Any, path: str, *, field: str) -> tuple[int, ...]:
+    """The layers of each unit of ``blocks`` (:func:`find_blocks`): one for each block of a
+    list, the stack's length for a stacked block."""
+    if isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List):
+        return (stack_length(blocks, path, field=field),)
+    return (1,) * len(blocks)
+
+
+def wrap_blocks(model: nnx.Module, plan: RematPlan, path: str, *, field: str, mark: bool = False) -> list[int]:
     """Replace, in place, each block of the list at ``path`` in ``model`` by a
     :class:`Checkpointed` one that calls it with its layer's policy of ``plan`` (a block
-    already wrapped is rewrapped, not wrapped twice). Returns each block's count of calls,
-    which grows as the model runs, so a caller can tell a block the model never ran.
+    already wrapped is rewrapped, not wrapped twice); a stacked block (``nnx.vmap``-made) by one
+    that calls each layer's slice with the stack's one policy (``prevent_cse=False``, as scanned
+    remat wants). Returns each unit's count of calls, which grows as the model runs, so a caller
+    can tell a block the model never ran. ``mark``: tag each unit's output for a structure trace.
 
     The one wrapping of an NNX model: the search measures a plan through it and
     :func:`apply_nnx` applies one through it, so the program a trainer runs is the measured one."""
@@ -114,15 +145,25 @@ def wrap_blocks(model: nnx.Module, plan: RematPlan, path: str, *, field: str) ->
             "themselves; use layout 'flat' (space.nested: false)"
         )
     owner, attribute, blocks = find_blocks(model, path, field=field)
-    if len(plan.layers) != len(blocks):
-        raise SpecError(f"plan: has {len(plan.layers)} layers, the model has {len(blocks)} blocks in {path!r}")
-    calls = [0] * len(blocks)
+    units = block_units(blocks, path, field=field)
+    if len(plan.layers) != sum(units):
+        raise SpecError(f"plan: has {len(plan.layers)} layers, the model has {sum(units)} in {path!r}")
+    calls = [0] * len(units)
 
     def counter(i: int) -> Callable[[], None]:
         return lambda: calls.__setitem__(i, calls[i] + 1)
 
+    if units != (1,) * len(units):  # one stacked block: one body, one policy
+        if len(set(plan.layers)) > 1:
+            raise SpecError(f"plan: the {units[0]} layers of {path!r} are one stack (nnx.vmap), whose one body "
+                            "takes one policy; it gives them several")
+        wrap = functools.partial(plan.wrap, layer=0, prevent_cse=False)
+        setattr(owner, attribute, Checkpointed(blocks, wrap, counter(0), 0 if mark else None))
+        return calls
+
     wrapped = [
-        Checkpointed(b.block if isinstance(b, Checkpointed) else b, functools.partial(plan.wrap, layer=i), counter(i))
+        Checkpointed(b.block if isinstance(b, Checkpointed) else b, functools.partial(plan.wrap, layer=i), counter(i),
+                     i if mark else None)
         for i, b in enumerate(blocks)
     ]
     if isinstance(blocks, tuple):
@@ -164,10 +205,12 @@ class NnxWorkload(Workload):
         self.config = config
         self.name = f"nnx {config.model}"
         self._constructor = import_object(config.model, "workload.model")
-        self._loss_of_logits = import_object(config.loss, "workload.loss") if config.loss else next_token_loss
+        self.inputs_of = Inputs(config)
         self._model_loss = import_object(config.model_loss, "workload.model_loss") if config.model_loss else None
         abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
-        self.layers = len(find_blocks(abstract, config.blocks, field="workload.blocks")[2])
+        self.stacks = block_units(find_blocks(abstract, config.blocks, field="workload.blocks")[2], config.blocks,
+                                  field="workload.blocks")
+        self.layers = sum(self.stacks)
         self._partitioning = self._read_partitioning(nnx.state(abstract, nnx.Param))
         self._graphdef, self._params_shape, rest = nnx.split(abstract, nnx.Param, ...)
         self._stateless = not jax.tree.leaves(rest)
@@ -220,15 +263,19 @@ class NnxWorkload(Workload):
         return nnx.to_pure_dict(nnx.state(self._build(key), nnx.Param))
 
     def make_batch(self, key: jax.Array) -> PyTree:
-        c = self.config
-        return jax.random.randint(key, (c.batch, c.seq_len), 0, c.vocab, dtype=jnp.int32)
+        return self.inputs_of.make_batch(key)
 
-    def forward(self, plan: RematPlan, params: PyTree, tokens: jax.Array) -> Any:
-        """``model(tokens)`` with ``params`` and each block checkpointed by ``plan``: the
-        model's own ``__call__``, its blocks replaced by :class:`Checkpointed` ones."""
-        return self._run(plan, params, lambda model: model(tokens))
+    def note(self) -> str | None:
+        """The layers as the model holds them, where it stacks them."""
+        return None if self.stacks == (1,) * self.layers else (
+            f"layers: {self.config.blocks} ×{self.layers} (one stack, nnx.vmap)")
 
-    def _run(self, plan: RematPlan, params: PyTree, call: Callable[[nnx.Module], Any]) -> Any:
+    def forward(self, plan: RematPlan, params: PyTree, batch: PyTree, *, mark: bool = False) -> Any:
+        """``model(batch)`` (its model input) with ``params`` and each block checkpointed by
+        ``plan``: the model's own ``__call__``, its blocks replaced by :class:`Checkpointed` ones."""
+        return self._run(plan, params, lambda model: model(*self.inputs_of.model_args(batch)), mark=mark)
+
+    def _run(self, plan: RematPlan, params: PyTree, call: Callable[[nnx.Module], Any], *, mark: bool = False) -> Any:
         """``call(model)``, the model holding ``params`` and its blocks wrapped by ``plan``
         (:func:`wrap_blocks`); a block the call never ran is a :class:`WorkloadError`."""
         if len(plan.layers) != self.layers:
@@ -242,7 +289,7 @@ class NnxWorkload(Workload):
             state = nnx.state(model, nnx.Param)
             nnx.replace_by_pure_dict(state, params)
             nnx.update(model, state)
-        calls = wrap_blocks(model, plan, self.config.blocks, field="workload.blocks")
+        calls = wrap_blocks(model, plan, self.config.blocks, field="workload.blocks", mark=mark)
         out = call(model)
         missed = [i for i, n in enumerate(calls) if n == 0]
         if missed:
@@ -252,41 +299,46 @@ class NnxWorkload(Workload):
             )
         return out
 
-    def loss(self, plan: RematPlan) -> Callable[[PyTree, PyTree], jax.Array]:
-        """The scalar loss: ``workload.model_loss(model, tokens)`` on the wrapped model where
-        the spec names one, else ``workload.loss`` (or next-token cross-entropy) of its logits."""
+    def loss(self, plan: RematPlan, *, mark: bool = False) -> Callable[[PyTree, PyTree], jax.Array]:
+        """The scalar loss: ``workload.model_loss(model, batch)`` on the wrapped model where
+        the spec names one, else ``workload.loss`` (or next-token cross-entropy) of its outputs."""
         model_loss = self._model_loss
 
-        def loss_fn(params: PyTree, tokens: jax.Array) -> jax.Array:
+        def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
             if model_loss is not None:
-                return self._run(plan, params, lambda model: model_loss(model, tokens))
-            return self._loss_of_logits(self.forward(plan, params, tokens), tokens)
+                return self._run(plan, params, lambda model: model_loss(model, batch), mark=mark)
+            return self.inputs_of.loss(self.forward(plan, params, batch, mark=mark), batch)
 
         return loss_fn
 
     def _traced_names(self) -> frozenset[str]:
-        """Trace the loss once with no remat: checks the structure and the logits' shape,
-        and returns the names the program tags."""
+        """Trace the loss once with no remat: checks the structure (the layers the program runs
+        are the layers the model holds), the outputs' shape, and returns the names the program tags."""
         c = self.config
         params = jax.eval_shape(self.init_params, jax.random.key(0))
-        tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32)
+        batch = self.inputs_of.abstract_batch()
         plan = RematPlan.uniform("none", self.layers)
         try:
-            logits = None if c.model_loss else jax.eval_shape(functools.partial(self.forward, plan), params, tokens)
-            if c.loss is None and c.model_loss is None and getattr(logits, "shape", None) != (c.batch, c.seq_len, c.vocab):
-                raise WorkloadError(
-                    f"workload.model: model(tokens) returned {getattr(logits, 'shape', type(logits).__name__)}, "
-                    f"the default loss expects logits of shape {[c.batch, c.seq_len, c.vocab]} "
-                    "(batch, seq_len, vocab); or name a loss: 'package.module:function'"
-                )
-            jaxpr = jax.make_jaxpr(self.loss(plan))(params, tokens)
+            if c.model_loss is None:
+                self.inputs_of.check_outputs(jax.eval_shape(functools.partial(self.forward, plan), params, batch))
+            jaxpr = jax.make_jaxpr(self.loss(plan, mark=True))(params, batch)
         except (WorkloadError, SpecError):
             raise
         except Exception as e:  # noqa: BLE001 - the user's model or loss fails to trace
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise WorkloadError(f"workload: {c.model!r} does not trace ({type(e).__name__}: {first})") from None
-        if len(jaxpr.out_avals) != 1 or jaxpr.out_avals[0].shape != ():
-            field = "workload.model_loss" if c.model_loss else "workload.loss"
-            got = f"shape {list(jaxpr.out_avals[0].shape)}" if len(jaxpr.out_avals) == 1 else f"{len(jaxpr.out_avals)} values"
-            raise WorkloadError(f"{field}: returned {got}, expected a scalar")
-        return traced_names(jaxpr)
+        check_scalar(jaxpr, "workload.model_loss" if c.model_loss else "workload.loss")
+        try:
+            runs = layer_runs(jaxpr)
+        except ValueError as e:
+            raise WorkloadError(f"workload.blocks: the model {e}; run its blocks unrolled or with nnx.scan") from None
+        ran = [runs.get(i, 0) for i in range(len(self.stacks))]
+        if ran != list(self.stacks):
+            raise WorkloadError(
+                f"workload.blocks: the model's __call__ runs {sum(ran)} layer(s) of {c.blocks!r}, which holds "
+                f"{self.layers}: its calls and its layers disagree"
+            )
+        if c.layers is not None and c.layers != self.layers:
+            raise WorkloadError(f"workload.layers: the model runs {self.layers} layers of {c.blocks!r}, "
+                                f"the spec says {c.layers}")
+        return without_marks(traced_names(jaxpr))

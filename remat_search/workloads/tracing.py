@@ -61,3 +61,51 @@ def traced_sizes(jaxpr: Any) -> dict[str, int]:
                     for name, size in traced_sizes(sub).items():
                         found[name] = found.get(name, 0) + size
     return found
+
+
+LAYER_MARK = "remat_search.layer."
+"""The prefix of the ``checkpoint_name`` tag a structure trace puts on each layer call's output
+(``remat_search.layer.3``: unit 3): never in a measured program, only in :func:`layer_runs`' trace."""
+
+
+def mark_layer(output: Any, unit: int) -> Any:
+    """``output`` with its first array tagged as unit ``unit``'s (:data:`LAYER_MARK`), for
+    :func:`layer_runs` to find where in the program the unit's body runs."""
+    import jax
+    from jax.ad_checkpoint import checkpoint_name
+
+    leaves, tree = jax.tree.flatten(output)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array):
+            leaves[i] = checkpoint_name(leaf, f"{LAYER_MARK}{unit}")
+            break
+    return jax.tree.unflatten(tree, leaves)
+
+
+def layer_runs(jaxpr: Any) -> dict[int, int]:
+    """How many layers each marked unit (:func:`mark_layer`) runs in ``jaxpr``: each place its
+    mark stands counts the product of the lengths of the scans around it (a body scanned 4 times
+    is 4 layers, however often the framework traced it), in the program's order. A mark inside a
+    loop of no static length (``while``) is a :class:`ValueError`: its layer count is not known."""
+    runs: dict[int, int] = {}
+
+    def walk(inner: Any, times: int, loop: bool) -> None:
+        for eqn in getattr(inner, "jaxpr", inner).eqns:
+            if eqn.primitive.name == "name" and str(eqn.params["name"]).startswith(LAYER_MARK):
+                if loop:
+                    raise ValueError("runs a layer inside a while loop, whose length is not static")
+                unit = int(str(eqn.params["name"]).removeprefix(LAYER_MARK))
+                runs[unit] = runs.get(unit, 0) + times
+            scale = int(eqn.params["length"]) if eqn.primitive.name == "scan" else 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                        walk(sub, times * scale, loop or eqn.primitive.name == "while")
+
+    walk(jaxpr, 1, False)
+    return runs
+
+
+def without_marks(names: frozenset[str]) -> frozenset[str]:
+    """``names`` less the structure trace's own marks."""
+    return frozenset(n for n in names if not n.startswith(LAYER_MARK))

@@ -104,7 +104,7 @@ def test_policies_change_the_compiled_peak(workload: LinenWorkload) -> None:
 
 
 def test_a_plan_of_another_depth_is_refused(workload: LinenWorkload) -> None:
-    with pytest.raises(SpecError, match="plan: has 2 layers, the workload has 3"):
+    with pytest.raises(SpecError, match="plan: has 2 layers, the model runs 3"):
         workload.loss(RematPlan.uniform("full", 2))
 
 
@@ -126,7 +126,7 @@ BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
     ("model does not import", {"model": "no_such_module:Decoder"}, "workload.model: 'no_such_module:Decoder' does not import"),
     ("model lacks the name", {"model": "tests.models.linen_decoder:Nope"}, "workload.model: 'tests.models.linen_decoder:Nope'"),
     ("bad arguments", {"args": {"vocab": 64}}, "workload.model: raised TypeError"),
-    ("wrong logits", {"vocab": 65}, "workload.model: returns [(2, 128, 64)], expected logits of shape [2, 128, 65]"),
+    ("wrong logits", {"vocab": 65}, "workload.model: returns (2, 128, 64), the default loss expects logits of shape [2, 128, 65]"),
     ("other collections", {"model": "flax.linen:BatchNorm", "args": {"use_running_average": False}},
      "workload.model: has variable collections ['batch_stats'] besides params"),
     ("no layers named", {"blocks": None}, "spec.workload: name the model's layers"),

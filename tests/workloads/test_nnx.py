@@ -151,7 +151,8 @@ def test_a_nested_plan_is_refused(decoder: Any) -> None:
 
 BAD_STRUCTURE: list[tuple[str, dict[str, Any], str]] = [
     ("no such attribute", {"blocks": "layers"}, "workload.blocks: Decoder has no attribute 'layers' (it has ["),
-    ("not a list of blocks", {"blocks": "embed"}, "workload.blocks: 'embed' is Embed, expected a non-empty list"),
+        ("calls and layers disagree", {"blocks": "embed"},
+     "workload.blocks: the model's __call__ runs 1 layer(s) of 'embed', which holds 64: its calls and its layers disagree"),
     ("blocks the model does not run",
      {"model": "tests.models.nnx_decoder:Detached", "args": {"vocab": 64, "d_model": 32, "layers": 2}},
      "workload.blocks: the model's __call__ did not call block(s) [0, 1] of 'blocks'"),
@@ -254,7 +255,7 @@ def test_apply_nnx_replaces_a_plan_it_applied_and_refuses_one_that_does_not_fit(
     assert [b.block for b in model.blocks] == blocks  # rewrapped, not wrapped twice
     paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     assert "blocks/0/block/qkv/kernel" in paths  # the parameters one level deeper
-    with pytest.raises(SpecError, match=r"^plan: has 2 layers, the model has 3 blocks in 'blocks'$"):
+    with pytest.raises(SpecError, match=r"^plan: has 2 layers, the model has 3 in 'blocks'$"):
         remat_search.apply_nnx(model, RematPlan.uniform("full", 2))
     with pytest.raises(SpecError, match="layout 'nested' is not supported for nnx models"):
         remat_search.apply_nnx(model, RematPlan(layers=RematPlan.uniform("full", 3).layers, layout="nested"))
