@@ -13,6 +13,7 @@ The public API::
     advice = remat_search.plan_for_budget("demo-transformer-cpu", 200 * 2**20)  # predicted
     step = workload.step(best.plan)                       # or best.plan.wrap(fn, layer)
     model = remat_search.apply_nnx(model, best.plan)      # a Flax NNX model's blocks, in place
+    apply = remat_search.apply_linen(model, best.plan, blocks="layers")  # a linen model's apply, planned
 """
 
 import importlib
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from remat_search.targets.step_time import Efficiencies, StepEstimate
     from remat_search.units import parse_bytes
     from remat_search.workloads.base import Workload, build_workload
+    from remat_search.workloads.linen import apply_linen
     from remat_search.workloads.nnx import apply_nnx
 
 _API: dict[str, str] = {
@@ -86,6 +88,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(('work',), "remat_search.service.worker"),
     **dict.fromkeys(('Workload', 'build_workload'), "remat_search.workloads.base"),
     **dict.fromkeys(('apply_nnx',), "remat_search.workloads.nnx"),
+    **dict.fromkeys(('apply_linen',), "remat_search.workloads.linen"),
 }
 """Each public name and the module that defines it."""
 
@@ -120,6 +123,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "apply_layers",
+    "apply_linen",
     "apply_nnx",
     "best_plan",
     "build_workload",

@@ -29,7 +29,7 @@ from remat_search.imports import import_object
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.export import maxtext_configuration
 from remat_search.plans.plan import RematPlan
-from remat_search.spec.workloads import FactoryConfig, MaxTextConfig, WorkloadConfig
+from remat_search.spec.workloads import FactoryConfig, MaxTextConfig, OptimizerConfig, WorkloadConfig
 from remat_search.workloads.checkpoint_params import CheckpointParams, read_params_from
 from remat_search.workloads.sharding import own_shardings, split_batch_over
 
@@ -116,11 +116,17 @@ class Workload(abc.ABC):
 
         return compiler_options(platform)
 
+    optimizer_config: OptimizerConfig | None = None
+    """The spec's ``workload.optimizer`` (set by :func:`build_workload`); None: AdamW."""
+
     def optimizer(self) -> optax.GradientTransformation:
-        """The optimizer whose state the step carries (AdamW by default, as real runs use)."""
+        """The optimizer whose state the step carries: the spec's ``workload.optimizer``, else
+        AdamW (learning rate 1e-3), as real runs use."""
         import optax
 
-        return optax.adamw(1e-3)
+        if self.optimizer_config is None:
+            return optax.adamw(1e-3)
+        return make_optimizer(self.optimizer_config)
 
     def inputs(self, seed: int = 0) -> tuple[PyTree, PyTree]:
         """Concrete ``(state, batch)`` for the step, ``state = (params, opt_state)``.
@@ -342,7 +348,32 @@ def build_workload(config: WorkloadConfig, configuration: Configuration | None =
         workload = getattr(importlib.import_module(module_name), class_name)(config)
     if config.params_from is not None:
         workload.params_from = read_params_from(config.params_from)
+    if config.optimizer is not None:
+        if type(workload).optimizer is not Workload.optimizer:
+            raise SpecError(f"spec.workload.optimizer: {type(workload).__name__} has an optimizer() of its own; "
+                            "leave the spec's out or the method")
+        make_optimizer(config.optimizer)  # a bad one is refused here, before any worker
+        workload.optimizer_config = config.optimizer
     return workload
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """The optax transformation ``config`` names, made with its arguments; a one-line
+    :class:`WorkloadError` naming ``workload.optimizer`` where it does not import, fails, or
+    gives no ``GradientTransformation``."""
+    import optax
+
+    where = f"workload.optimizer.factory: {config.factory!r}"
+    factory = import_object(config.import_path, "workload.optimizer.factory", what="function")
+    if not callable(factory):
+        raise WorkloadError(f"{where} is not a function returning an optax transformation")
+    try:
+        made = factory(**config.args)
+    except Exception as e:  # noqa: BLE001 - the user's arguments, in one line
+        raise WorkloadError(f"{where} raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if not isinstance(made, optax.GradientTransformation):
+        raise WorkloadError(f"{where} returned {type(made).__name__}, expected an optax.GradientTransformation")
+    return made
 
 
 def check_params_from(workload: Workload) -> None:
