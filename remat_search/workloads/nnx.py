@@ -7,15 +7,17 @@ the step's parameters into it (``nnx.update``), replaces each element of the blo
 a thin :class:`Checkpointed` module that calls the block through ``jax.checkpoint`` with its
 layer's policy (:meth:`RematPlan.wrap`), and calls the model's own ``__call__``. So the model's
 ``__call__`` must run its blocks from that list (``for block in self.blocks: x = block(x)``),
-which tracing checks: a block it never calls is a :class:`WorkloadError`.
+which tracing checks: a block it never calls is a :class:`WorkloadError`. A stack of blocks made
+with ``nnx.vmap`` and run with ``nnx.scan`` (Flax's scan-over-layers idiom) is wrapped whole: its
+body takes one policy, and its layers are the stack's length, checked against the layers the
+traced program runs.
 
 The parameters are the model's own (``nnx.state(model, nnx.Param)`` as a plain dict); the
-batch is random int32 tokens ``[batch, seq_len]``; the loss is next-token cross-entropy of
-``model(tokens)``'s logits, or a named ``fn(logits, tokens) -> scalar`` (``loss``), or the
-model's own ``fn(model, tokens) -> scalar`` (``model_loss``), given the wrapped model. ``tensor_names`` are
-the ``checkpoint_name`` tags the traced program emits, found by tracing, not declared.
-Unrolled blocks and ``flat`` plans only: the model runs its chain itself, so a ``nested``
-plan cannot regroup it.
+batch and the loss are the spec's (:mod:`~remat_search.workloads.inputs`: tokens and next-token
+cross-entropy by default), or the model's own ``fn(model, batch) -> scalar`` (``model_loss``),
+given the wrapped model. ``tensor_names`` are the ``checkpoint_name`` tags the traced program
+emits, found by tracing, not declared. ``flat`` plans only: the model runs its chain itself, so a
+``nested`` plan cannot regroup it.
 
 :func:`apply_nnx` applies a plan to a trainer's model through the same wrapping
 (:func:`wrap_blocks`), so the program it trains is the one the search measured.

@@ -251,3 +251,16 @@ def test_a_loss_that_is_no_scalar_is_one_line(cli, tmp_path: Path) -> None:  # t
 def per_example(logits: Any, batch: Any) -> Any:
     """A loss a user forgot to average."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+
+
+def test_readmes_flax_start_trains_the_model_with_the_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_snippets import snippet
+
+    (tmp_path / "plan.json").write_text(rs.RematPlan.uniform("full", 4).to_json())
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(snippet("flax-start"), "train.py", "exec"), namespace)  # noqa: S102 - README's script, as written
+    from remat_search.workloads.nnx import Checkpointed
+
+    assert isinstance(namespace["model"].blocks, Checkpointed)
+    assert np.isfinite(float(namespace["train_step"](namespace["model"], namespace["optimizer"], namespace["tokens"])))
