@@ -268,7 +268,7 @@ class LinenWorkload(Workload):
             raise WorkloadError(f"workload.model: {c.model!r} does not run on {self.inputs_of.describe()} "
                                 f"({type(e).__name__}: {_first_line(e)})") from None
         self.inputs_of.check_outputs(outputs)
-        field = c.block and "workload.block" or "workload.blocks"
+        field = "workload.block" if c.block else "workload.blocks"
         for u in units:
             stacked = _leading_axes(params, u.path)
             if u.layers > 1 and stacked and stacked != {u.layers}:
