@@ -49,3 +49,8 @@ class SliceLost(RematSearchError):
     """A process of the slice died, hung or left (exit code :data:`SLICE_RESTART_EXIT`): the
     others stop, the trial it cut is failed and queued again, and the launcher's restart of the
     whole job resumes the study."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message, its first line only: a user's own error told in one line."""
+    return (str(error).strip().splitlines() or [""])[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from remat_search.errors import WorkloadError
+from remat_search.errors import WorkloadError, first_line
 
 
 def import_object(path: str, where: str, *, what: str = "class or function") -> Any:
@@ -30,7 +30,7 @@ def import_object(path: str, where: str, *, what: str = "class or function") -> 
             f"it there, add its folder to PYTHONPATH, or pip install its package"
         ) from None
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = first_line(e)
         raise WorkloadError(f"{where}: {path!r} does not import ({type(e).__name__}: {first})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -26,6 +26,10 @@ reference's own executable:
 - **rerun**: the reference run again on the same inputs: what a device that is not
   deterministic (a GPU's atomics) adds.
 
+Where a carrier's change is read as ``after − before`` from a value that was not zero (a
+parameter under plain SGD), the rounding figure also holds the storage rounding of its new value
+(:attr:`FirstStep.storage`), which blurs a small change of a large value whatever the plan.
+
 A check passes where each array's error, the whole tree's and the loss's are within
 :data:`CHECK_FACTOR` times rounding + rerun, and the reference reproduces itself (its rerun
 within :data:`CHECK_FACTOR` times its rounding): a model that draws other values on every run or
@@ -89,7 +93,8 @@ def gradient_carriers(state: Any) -> Carriers:
     chosen = [i for i, (_, leaf) in enumerate(flat) if _floating(leaf)]
     return Carriers(
         tuple(chosen), tuple("/".join(keys[i]) for i in chosen),
-        "the whole training state's change (its optimizer keeps no first moment: the gradients cannot be read)",
+        "the whole training state's change (its optimizer keeps no first moment: the gradients cannot be read, "
+        "and the threshold holds the rounding of storing the new state)",
     )
 
 
@@ -113,6 +118,12 @@ class FirstStep:
 
     gradients: tuple[np.ndarray, ...]
     loss: float
+    storage: tuple[float, ...] = ()
+    """Per carrier leaf, how far two correct steps' new values may be apart by their storage
+    rounding alone: the norm of the spacing of its values in its own dtype over √6 (two roundings,
+    each uniform over one spacing, of every element). A change read as ``after − before`` from a
+    value that is not zero (a parameter under plain SGD) is blurred by it whatever the plan; zero
+    where the leaf starts at zero (a first moment). Empty: not measured (a reference read back)."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +178,24 @@ class Noise(BaseModel):
         return tuple(Errors(tuple(f[:-2]), f[-2], f[-1]) for f in (self.rounding, self.rerun))  # type: ignore[return-value]
 
 
+def _storage(reference: FirstStep) -> Errors:
+    """The storage rounding of ``reference``'s carriers (:attr:`FirstStep.storage`), relative
+    as :func:`errors` makes its figures (zero where not measured)."""
+    refs = [np.asarray(r, np.float64) for r in reference.gradients]
+    stored = reference.storage or (0.0,) * len(refs)
+    size = sum(r.size for r in refs) or 1
+    total = math.sqrt(sum(float(np.sum(r * r)) for r in refs))
+    leaves = tuple(_relative(s, max(float(np.linalg.norm(r)), LEAF_FLOOR * total * math.sqrt(r.size / size)))
+                   for s, r in zip(stored, refs, strict=True))
+    return Errors(leaves, _relative(math.sqrt(sum(s * s for s in stored)), total), 0.0)
+
+
 def noise_of(reference: FirstStep, rerun: FirstStep, probe: FirstStep, *, unit_roundoff: float, precision: str) -> Noise:
     """The noise figures of a reference from its rerun and its rounding probe (see :class:`Noise`)."""
     scaled = errors(probe, reference).scaled(unit_roundoff / PERTURBATION)
+    stored = _storage(reference)
+    scaled = Errors(tuple(a + b for a, b in zip(scaled.leaves, stored.leaves, strict=True)),
+                    scaled.tree + stored.tree, scaled.loss)
     again = errors(rerun, reference)
     return Noise(
         rounding=(*scaled.leaves, scaled.tree, scaled.loss), rerun=(*again.leaves, again.tree, again.loss),
@@ -316,7 +342,9 @@ def first_step(executable: Any, inputs: tuple[Any, Any], carriers: Carriers) -> 
     after = jax.tree.leaves(state)
     after = on_host([after[i] for i in carriers.indices])
     gradients = tuple(np.asarray(a, np.float64) - np.asarray(b, np.float64) for a, b in zip(after, before, strict=True))
-    return (state, batch), FirstStep(gradients=gradients, loss=float(on_host(loss)))
+    storage = tuple(float(np.linalg.norm(np.spacing(np.asarray(a)).astype(np.float64))) / math.sqrt(6) if np.any(b)
+                    else 0.0 for a, b in zip(after, before, strict=True))
+    return (state, batch), FirstStep(gradients=gradients, loss=float(on_host(loss)), storage=storage)
 
 
 def nudged(inputs: tuple[Any, Any], *, size: float = PERTURBATION, seed: int = PROBE_SEED) -> tuple[Any, Any]:

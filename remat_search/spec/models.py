@@ -321,3 +321,13 @@ class SearchSpec(Frozen):
         if self.space.nested and isinstance(self.workload, LinenConfig):
             raise ValueError("space.nested: a linen model's layers cannot be nested; set nested: false")
         return self
+
+    @model_validator(mode="after")
+    def _own_step_takes_the_batch(self) -> SearchSpec:
+        own = getattr(self.workload, "train_step", None)
+        if own is not None and self.configuration is not None and self.configuration.global_batch is not None:
+            raise ValueError(
+                "configuration.global_batch: the workload's own train_step takes one whole batch, so it cannot "
+                "accumulate micro-batches; leave global_batch out (each batch is one step's)"
+            )
+        return self

@@ -201,9 +201,11 @@ def _check_batch(config: Any) -> Any:
         missing = [f for f in ("seq_len", "vocab") if getattr(config, f) is None]
         if missing:
             raise ValueError(f"{missing[0]}: required with a token batch (batch: N); or give batch: {{factory: ...}}")
-    elif config.loss is None and getattr(config, "model_loss", None) is None:
+    elif config.loss is None and getattr(config, "model_loss", None) is None and config.train_step is None:
         raise ValueError("loss: a batch of your own (batch: {factory: ...}) needs a loss: 'package.module:fn' "
                          "taking (outputs, batch) and returning a scalar")
+    if config.train_step is not None and (config.loss is not None or getattr(config, "model_loss", None) is not None):
+        raise ValueError("train_step: a train step of your own computes its own loss; leave loss and model_loss out")
     return config
 
 
@@ -241,13 +243,18 @@ class NnxConfig(_WorkloadConfig):
     model_loss: str | None = None
     """Or the model's own loss, ``"package.module:function"``: ``fn(model, batch) -> scalar``,
     given the model with its blocks checkpointed (it calls the model itself). Not with ``loss``."""
+    train_step: str | None = None
+    """Or the team's own train step, ``"package.module:function"``: ``fn(model, optimizer, batch)
+    -> loss``, given the model with its blocks checkpointed and an ``nnx.Optimizer(model, tx,
+    wrt=nnx.Param)`` of the spec's optimizer, both updated in place (Flax's own idiom); the
+    program measured is that step. Not with ``loss`` or ``model_loss``."""
     logical_axis_rules: AxisRules | None = None
     """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
     mesh, its parameters are sharded as their ``out_sharding`` metadata says, by these rules."""
 
     _omitted_when_unset: ClassVar[tuple[str, ...]] = (
-        "params_from", "optimizer", "model_loss", "layers", "seq_len", "vocab")
-    _import_paths = field_validator("model", "loss", "model_loss")(lambda value: _import_path(value))
+        "params_from", "optimizer", "model_loss", "train_step", "layers", "seq_len", "vocab")
+    _import_paths = field_validator("model", "loss", "model_loss", "train_step")(lambda value: _import_path(value))
 
     @model_validator(mode="after")
     def _batch_named(self) -> Any:
@@ -292,13 +299,19 @@ class LinenConfig(_WorkloadConfig):
     loss: str | None = None
     """``"package.module:function"``, ``fn(outputs, batch) -> scalar``; default (null): the
     next-token cross-entropy of the logits on the tokens."""
+    train_step: str | None = None
+    """Or the team's own train step, ``"package.module:function"``: ``fn(state, batch) -> (state,
+    loss)``, given a ``flax.training.train_state.TrainState`` whose ``apply_fn`` is the model's
+    ``apply`` with the plan's checkpoints and whose ``tx`` is the spec's optimizer; the program
+    measured is that step. Not with ``loss``."""
     logical_axis_rules: AxisRules | None = None
     """How the model's logical axis names map onto the mesh (see :data:`AxisRules`): over a
     mesh, its parameters are sharded as its ``nn.with_logical_partitioning`` metadata says,
     by these rules, and they are in force while its step is traced (``nn.logical_axis_rules``)."""
 
-    _omitted_when_unset: ClassVar[tuple[str, ...]] = ("params_from", "optimizer", "layers", "seq_len", "vocab")
-    _import_paths = field_validator("model", "block", "loss")(lambda value: _import_path(value))
+    _omitted_when_unset: ClassVar[tuple[str, ...]] = (
+        "params_from", "optimizer", "train_step", "layers", "seq_len", "vocab")
+    _import_paths = field_validator("model", "block", "loss", "train_step")(lambda value: _import_path(value))
 
     @model_validator(mode="after")
     def _batch_named(self) -> Any:

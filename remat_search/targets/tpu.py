@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from remat_search.errors import RunError, SpecError
+from remat_search.errors import RunError, SpecError, first_line
 from remat_search.spec.models import TpuTarget
 from remat_search.targets.base import Target, out_of_memory
-from remat_search.targets.mesh import make_mesh
-from remat_search.targets.platform import quiet_libtpu
 from remat_search.targets.calibration import banded_kind, load_calibration, with_band
 from remat_search.targets.chips import CHIPS, PUBLISHED_BANDS, PUBLISHED_TENSOR
+from remat_search.targets.mesh import make_mesh
+from remat_search.targets.platform import quiet_libtpu
 from remat_search.targets.step_time import UNCALIBRATED, StepEstimate, estimate_step
 from remat_search.units import size_argument
 
@@ -119,5 +119,5 @@ def hbm_of(error: BaseException | None) -> int:
     if error is None:
         reason = "a program of 1 TiB a chip compiled without running out of memory"
     else:
-        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        reason = f"{type(error).__name__}: {first_line(error)}"
     raise RunError(f"target: the compiler did not state the memory of a chip ({reason})") from error

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remat_search.errors import CandidateRefused, SpecError, WorkloadError
+from remat_search.errors import CandidateRefused, SpecError, WorkloadError, first_line
 from remat_search.imports import import_object
 from remat_search.plans.configuration import Configuration
 from remat_search.plans.export import maxtext_configuration
@@ -254,23 +254,47 @@ class Workload(abc.ABC):
         params = self.init_params(params_key)
         if self.params_from is not None:
             params = self.params_from.params_like(params, params_key)
-        return (params, self.optimizer().init(params)), self.make_batch(batch_key)
+        return (params, self.init_opt_state(params)), self.make_batch(batch_key)
+
+    def init_opt_state(self, params: PyTree) -> PyTree:
+        """What the step carries beside the parameters: :meth:`optimizer`'s ``init(params)``.
+        A workload running the user's own train step carries what that step's state holds
+        (an ``nnx.Optimizer``'s variables, a ``TrainState``'s step and optimizer state)."""
+        return self.optimizer().init(params)
 
     def step(
         self, plan: RematPlan, mesh: Mesh | None = None
     ) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
-        """A jitted training step ``(state, batch) -> (state, loss)`` that donates ``state``.
+        """:meth:`train_fn` jitted, donating ``state``; over a ``mesh`` the new state keeps the
+        old one's shardings, so donation aliases it."""
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-        Over a ``mesh`` the new state keeps the old one's shardings, so donation aliases it.
+        train_step = self.train_fn(plan, mesh)
+        if mesh is None:
+            return jax.jit(train_step, donate_argnums=0)
+        state, batch = self.input_shardings(mesh)
+        return jax.jit(
+            train_step, donate_argnums=0, in_shardings=(state, batch),
+            out_shardings=(state, NamedSharding(mesh, P())),
+        )
+
+    def train_fn(
+        self, plan: RematPlan, mesh: Mesh | None = None
+    ) -> Callable[[PyTree, PyTree], tuple[PyTree, jax.Array]]:
+        """The training step ``(state, batch) -> (state, loss)``, not jitted: the gradients of
+        :meth:`loss` and one update of :meth:`optimizer`. A workload running the user's own
+        train step returns that step, over the same state.
+
         Where the plan's configuration accumulates ``k`` micro-batches, the batch is split into
         ``k`` (example ``i`` into micro-batch ``i mod k``, which keeps each device's examples on
         it) and the gradients of a ``lax.scan`` over them averaged before one update: the
-        loss and gradients of the whole batch, in a micro-batch's activations.
+        loss and gradients of the whole batch, in a micro-batch's activations. Over a ``mesh``,
+        the summed gradients are sharded as the parameters are.
         """
         import jax
         import optax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
         loss_fn, opt = self.loss(plan), self.optimizer()
         k = plan.configuration.accumulation if plan.configuration is not None else 1
@@ -299,13 +323,7 @@ class Workload(abc.ABC):
             updates, opt_state = opt.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
-        if mesh is None:
-            return jax.jit(train_step, donate_argnums=0)
-        state, batch = self.input_shardings(mesh)
-        return jax.jit(
-            train_step, donate_argnums=0, in_shardings=(state, batch),
-            out_shardings=(state, NamedSharding(mesh, P())),
-        )
+        return train_step
 
     def fingerprint(self) -> str:
         """A hash of what the workload computes on: its name, layers, names and input shapes."""
@@ -370,14 +388,14 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     try:
         made = factory(**config.args)
     except Exception as e:  # noqa: BLE001 - the user's arguments, in one line
-        raise WorkloadError(f"{where} raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise WorkloadError(f"{where} raised {type(e).__name__}: {first_line(e)}") from None
     if not isinstance(made, optax.GradientTransformation):
         raise WorkloadError(f"{where} returned {type(made).__name__}, expected an optax.GradientTransformation")
     return made
 
 
 def check_params_from(workload: Workload) -> None:
-    """Trace ``workload``'s inputs and no-remat loss with the parameters of its ``params_from``
+    """Trace ``workload``'s inputs and no-remat training step with the parameters of its ``params_from``
     checkpoint (none: nothing to do); a one-line :class:`SpecError` where its tree is not the
     model's, or the model does not take its shapes (a model that fails with its own
     parameters too is left to fail each candidate, as without a checkpoint)."""
@@ -385,18 +403,18 @@ def check_params_from(workload: Workload) -> None:
 
     if workload.params_from is None:
         return
-    loss = workload.loss(RematPlan.uniform("none", workload.layers))
     with workload.tracing():
-        (params, _), batch = workload.abstract_inputs()
+        state, batch = workload.abstract_inputs()
         try:
-            jax.eval_shape(loss, params, batch)
+            train_step = workload.train_fn(RematPlan.uniform("none", workload.layers))
+            jax.eval_shape(train_step, state, batch)
         except Exception as e:  # noqa: BLE001 - the model's own error, told in one line
             try:
                 own = jax.eval_shape(workload.init_params, jax.random.key(0))
-                jax.eval_shape(loss, own, batch)
+                jax.eval_shape(train_step, (own, jax.eval_shape(workload.init_opt_state, own)), batch)
             except Exception:  # noqa: BLE001 - it fails with its own parameters too
                 return
-            first = (str(e).strip().splitlines() or [""])[0]
+            first = first_line(e)
             raise SpecError(
                 f"spec.workload.params_from: the model does not take the checkpoint's parameters "
                 f"({type(e).__name__}: {first})"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from remat_search.errors import SpecError
+from remat_search.errors import SpecError, first_line
 
 if TYPE_CHECKING:
     import jax
@@ -147,7 +147,7 @@ def read_params_from(path: str) -> CheckpointParams:
     try:
         metadata = ocp.StandardCheckpointer().metadata(folder).item_metadata
     except Exception as e:  # noqa: BLE001 - whatever Orbax says of a folder it cannot read
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = first_line(e)
         raise SpecError(f"{WHERE}: {path!r} is not a readable Orbax checkpoint ({type(e).__name__}: {first})") from None
     tree = getattr(metadata, "tree", None)
     if tree is None:

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_search.errors import WorkloadError
+from remat_search.errors import WorkloadError, first_line
 from remat_search.imports import import_object
 from remat_search.spec.workloads import BatchConfig, LinenConfig, NnxConfig
 from remat_search.workloads.base import PyTree, next_token_loss
@@ -48,7 +48,7 @@ class Inputs:
             raise
         except Exception as e:  # noqa: BLE001 - the user's factory's failure, in one line
             raise WorkloadError(f"workload.batch.factory: {batch.factory!r} raised {type(e).__name__}: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
         leaves = jax.tree.leaves(shapes)
         if not leaves or not all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves):
             raise WorkloadError(f"workload.batch.factory: {batch.factory!r} returned no arrays; expected an array, "
@@ -67,7 +67,7 @@ class Inputs:
             made = self._factory(**kwargs)
         except Exception as e:  # noqa: BLE001
             raise WorkloadError(f"workload.batch.factory: {c.batch.factory!r} raised {type(e).__name__}: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
         return jax.tree.map(jnp.asarray, made)
 
     def abstract_batch(self) -> PyTree:
@@ -132,5 +132,8 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
         return False
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
+def described(value: Any) -> str:
+    """What a user's function returned, in words: ``an array of shape [8]``, else its type."""
+    if isinstance(value, jax.Array):
+        return "a scalar" if value.shape == () else f"an array of shape {list(value.shape)}"
+    return type(value).__name__

@@ -30,12 +30,12 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
-from remat_search.errors import SpecError, WorkloadError
+from remat_search.errors import SpecError, WorkloadError, first_line
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import LinenConfig, rule_targets
 from remat_search.workloads.base import PyTree, Workload
-from remat_search.workloads.inputs import Inputs, check_scalar
+from remat_search.workloads.inputs import Inputs, check_scalar, described
 from remat_search.workloads.sharding import flax_tracing
 from remat_search.workloads.tracing import layer_runs, mark_layer, traced_names, without_marks
 
@@ -248,6 +248,10 @@ class LinenWorkload(Workload):
             raise WorkloadError(f"workload.block: {config.block!r} is not a flax.linen Module class")
         self.match = LayerMatch(block_cls, config.blocks, config.block)
         self.inputs_of = Inputs(config)
+        self._train_step = import_object(config.train_step, "workload.train_step") if config.train_step else None
+        if config.train_step and not callable(self._train_step):
+            raise WorkloadError(f"workload.train_step: {config.train_step!r} is not a function (state, batch) -> "
+                                "(state, loss)")
         self.units, self.tensor_names = self._inspect()
         self.layers = sum(u.layers for u in self.units)
         self.stacks = tuple(u.layers for u in self.units)
@@ -266,8 +270,9 @@ class LinenWorkload(Workload):
             raise
         except Exception as e:  # noqa: BLE001 - a model that does not trace is the user's
             raise WorkloadError(f"workload.model: {c.model!r} does not run on {self.inputs_of.describe()} "
-                                f"({type(e).__name__}: {_first_line(e)})") from None
-        self.inputs_of.check_outputs(outputs)
+                                f"({type(e).__name__}: {first_line(e)})") from None
+        if c.train_step is None:
+            self.inputs_of.check_outputs(outputs)
         field = "workload.block" if c.block else "workload.blocks"
         for u in units:
             stacked = _leading_axes(params, u.path)
@@ -281,13 +286,20 @@ class LinenWorkload(Workload):
             raise WorkloadError(
                 f"workload.layers: the model runs {layers} layers ({_describe(units)}), the spec says {c.layers}"
             )
+        plan = RematPlan.uniform("none", layers)
+        field = "workload.train_step" if c.train_step else "workload.loss"
         try:
-            jaxpr = jax.make_jaxpr(self.loss(RematPlan.uniform("none", layers), units))(params, batch)
+            if c.train_step is None:
+                jaxpr = jax.make_jaxpr(self.loss(plan, units))(params, batch)
+            else:
+                state = (params, jax.eval_shape(self.init_opt_state, params))
+                jaxpr = jax.make_jaxpr(self.train_fn(plan, units=units))(state, batch)
         except WorkloadError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise WorkloadError(f"workload.loss: does not trace ({type(e).__name__}: {_first_line(e)})") from None
-        check_scalar(jaxpr, "workload.loss")
+            raise WorkloadError(f"{field}: does not trace ({type(e).__name__}: {first_line(e)})") from None
+        if c.train_step is None:
+            check_scalar(jaxpr, field)
         return units, without_marks(traced_names(jaxpr))
 
     def note(self) -> str | None:
@@ -301,7 +313,7 @@ class LinenWorkload(Workload):
             variables = jax.eval_shape(self.module.init, jax.random.key(0), arg)
         except Exception as e:  # noqa: BLE001
             raise WorkloadError(f"workload.model: {c.model!r} does not initialise "
-                                f"({type(e).__name__}: {_first_line(e)})") from None
+                                f"({type(e).__name__}: {first_line(e)})") from None
         others = sorted(set(variables) - {"params"})
         if others:
             raise WorkloadError(f"workload.model: has variable collections {others} besides params; "
@@ -369,6 +381,47 @@ class LinenWorkload(Workload):
         forward = self.forward(plan, units)
         return lambda params, batch: self.inputs_of.loss(forward(params, batch), batch)
 
+    def init_opt_state(self, params: PyTree) -> PyTree:
+        """With ``workload.train_step``: a ``TrainState``'s ``step`` and ``opt_state``, as
+        ``TrainState.create`` makes them; else the optax state of the parameters."""
+        if self._train_step is None:
+            return super().init_opt_state(params)
+        from flax.training.train_state import TrainState
+
+        made = TrainState.create(apply_fn=self.module.apply, params=params, tx=self.optimizer())
+        return {"step": made.step, "opt_state": made.opt_state}
+
+    def train_fn(self, plan: RematPlan, mesh: Any = None, *,
+                 units: Sequence[Unit] | None = None) -> Callable[[PyTree, PyTree], Any]:
+        """With ``workload.train_step``: that step, ``fn(state, batch) -> (state, loss)``, given a
+        ``TrainState`` whose ``apply_fn`` runs the model with ``plan``'s checkpoints and whose
+        ``tx`` is the spec's optimizer. Else remat-search's own step."""
+        if self._train_step is None:
+            return super().train_fn(plan, mesh)
+        from flax.training.train_state import TrainState
+
+        units = self.units if units is None else units
+        check_plan(plan, units)
+        own, opt, where = self._train_step, self.optimizer(), f"workload.train_step: {self.config.train_step!r}"
+
+        def apply_fn(variables: PyTree, *args: Any, **kwargs: Any) -> Any:
+            with checkpointed_layers(self.match, plan, units):
+                return self.module.apply(variables, *args, **kwargs)
+
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
+            params, rest = state
+            out = own(TrainState(step=rest["step"], apply_fn=apply_fn, params=params, tx=opt,
+                                 opt_state=rest["opt_state"]), batch)
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
+                raise WorkloadError(f"{where} returned {described(out)}, expected (state, loss): the new "
+                                    "TrainState and the loss")
+            new, loss = out
+            if not isinstance(loss, jax.Array) or loss.shape != ():
+                raise WorkloadError(f"{where} returned a loss that is {described(loss)}, expected a scalar")
+            return (new.params, {"step": new.step, "opt_state": new.opt_state}), loss
+
+        return train_step
+
 
 def _leading_axes(params: PyTree, path: tuple[str, ...]) -> set[int]:
     """The leading axes of the parameters under ``path`` (the scope's), empty where it holds none."""
@@ -391,8 +444,6 @@ def _call(fn: Any, args: dict[str, Any], where: str) -> Any:
     try:
         return fn(**args)
     except Exception as e:  # noqa: BLE001
-        raise WorkloadError(f"{where}: raised {type(e).__name__}: {_first_line(e)}") from None
+        raise WorkloadError(f"{where}: raised {type(e).__name__}: {first_line(e)}") from None
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]

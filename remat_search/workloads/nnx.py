@@ -35,13 +35,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from remat_search.errors import SpecError, WorkloadError
+from remat_search.errors import SpecError, WorkloadError, first_line
 from remat_search.imports import import_object
 from remat_search.plans.plan import RematPlan
 from remat_search.spec.workloads import NnxConfig, rule_targets
 from remat_search.workloads.base import PyTree, Workload
+from remat_search.workloads.inputs import Inputs, check_scalar, described
 from remat_search.workloads.sharding import flax_tracing
-from remat_search.workloads.inputs import Inputs, check_scalar
 from remat_search.workloads.tracing import layer_runs, mark_layer, traced_names, without_marks
 
 M = TypeVar("M", bound=nnx.Module)
@@ -176,6 +176,20 @@ def wrap_blocks(model: nnx.Module, plan: RematPlan, path: str, *, field: str, ma
     return calls
 
 
+def unwrap_blocks(model: nnx.Module, path: str, *, field: str) -> None:
+    """Undo :func:`wrap_blocks`, in place: each :class:`Checkpointed` block at ``path`` replaced
+    by the block it holds, so the model's parameters are at their own paths again."""
+    owner, attribute, blocks = find_blocks(model, path, field=field)
+    if isinstance(getattr(owner, attribute), Checkpointed):  # a stack
+        setattr(owner, attribute, blocks)
+    elif isinstance(blocks, tuple):
+        setattr(owner, attribute, tuple(b.block if isinstance(b, Checkpointed) else b for b in blocks))
+    else:
+        for i, b in enumerate(blocks):
+            if isinstance(b, Checkpointed):
+                blocks[i] = b.block
+
+
 def apply_nnx(model: M, plan: RematPlan, *, blocks: str = "blocks") -> M:
     """Checkpoint each block of ``model`` with its layer's policy of ``plan``, in place, with
     no edit to the model's code; returns ``model`` itself.
@@ -209,6 +223,10 @@ class NnxWorkload(Workload):
         self._constructor = import_object(config.model, "workload.model")
         self.inputs_of = Inputs(config)
         self._model_loss = import_object(config.model_loss, "workload.model_loss") if config.model_loss else None
+        self._train_step = import_object(config.train_step, "workload.train_step") if config.train_step else None
+        if config.train_step and not callable(self._train_step):
+            raise WorkloadError(f"workload.train_step: {config.train_step!r} is not a function "
+                                "(model, optimizer, batch) -> loss")
         abstract = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
         self.stacks = block_units(find_blocks(abstract, config.blocks, field="workload.blocks")[2], config.blocks,
                                   field="workload.blocks")
@@ -228,7 +246,7 @@ class NnxWorkload(Workload):
             with nnx.use_eager_sharding(False):
                 model = self._constructor(**kwargs)
         except Exception as e:  # noqa: BLE001 - the user's constructor's failure, in one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = first_line(e)
             raise WorkloadError(f"workload.model: {self.config.model!r} raised {type(e).__name__}: {first}") from None
         if not isinstance(model, nnx.Module):
             raise WorkloadError(
@@ -280,6 +298,14 @@ class NnxWorkload(Workload):
     def _run(self, plan: RematPlan, params: PyTree, call: Callable[[nnx.Module], Any], *, mark: bool = False) -> Any:
         """``call(model)``, the model holding ``params`` and its blocks wrapped by ``plan``
         (:func:`wrap_blocks`); a block the call never ran is a :class:`WorkloadError`."""
+        model, calls = self._model(plan, params, mark=mark)
+        out = call(model)
+        self._check_calls(calls)
+        return out
+
+    def _model(self, plan: RematPlan, params: PyTree, *, mark: bool = False) -> tuple[nnx.Module, list[int]]:
+        """The model holding ``params``, its blocks wrapped by ``plan`` (:func:`wrap_blocks`),
+        and the count of each unit's calls."""
         if len(plan.layers) != self.layers:
             raise SpecError(f"plan: has {len(plan.layers)} layers, the workload has {self.layers}")
         if self._stateless:
@@ -291,15 +317,55 @@ class NnxWorkload(Workload):
             state = nnx.state(model, nnx.Param)
             nnx.replace_by_pure_dict(state, params)
             nnx.update(model, state)
-        calls = wrap_blocks(model, plan, self.config.blocks, field="workload.blocks", mark=mark)
-        out = call(model)
+        return model, wrap_blocks(model, plan, self.config.blocks, field="workload.blocks", mark=mark)
+
+    def _check_calls(self, calls: list[int]) -> None:
+        """A block the model never ran is a :class:`WorkloadError`."""
         missed = [i for i, n in enumerate(calls) if n == 0]
         if missed:
             raise WorkloadError(
                 f"workload.blocks: the model's __call__ did not call block(s) {missed} of {self.config.blocks!r}; "
                 f"it must run its blocks from that attribute (for block in self.{self.config.blocks}: ...)"
             )
-        return out
+
+    def init_opt_state(self, params: PyTree) -> PyTree:
+        """With ``workload.train_step``: the variables of an ``nnx.Optimizer`` of the spec's
+        optimizer over the model with its blocks checkpointed (as a trainer makes it after
+        :func:`apply_nnx`), as a plain dict; else the optax state of the parameters."""
+        if self._train_step is None:
+            return super().init_opt_state(params)
+        model, _ = self._model(self.baseline_plan(), params)
+        return nnx.to_pure_dict(nnx.state(nnx.Optimizer(model, self.optimizer(), wrt=nnx.Param)))
+
+    def train_fn(self, plan: RematPlan, mesh: Any = None, *, mark: bool = False) -> Callable[[PyTree, PyTree], Any]:
+        """With ``workload.train_step``: that step, ``fn(model, optimizer, batch) -> loss``, given
+        the model with ``plan``'s checkpoints and its ``nnx.Optimizer``, which it updates in
+        place; the new state is read back from both. Else remat-search's own step."""
+        if self._train_step is None:
+            return super().train_fn(plan, mesh) if not mark else self._marked(plan)
+        own, where = self._train_step, f"workload.train_step: {self.config.train_step!r}"
+
+        def train_step(state: PyTree, batch: PyTree) -> tuple[PyTree, jax.Array]:
+            params, opt_state = state
+            model, calls = self._model(plan, params, mark=mark)
+            optimizer = nnx.Optimizer(model, self.optimizer(), wrt=nnx.Param)
+            variables = nnx.state(optimizer)
+            nnx.replace_by_pure_dict(variables, opt_state)
+            nnx.update(optimizer, variables)
+            loss = own(model, optimizer, batch)
+            if not isinstance(loss, jax.Array) or loss.shape != ():
+                raise WorkloadError(f"{where} returned {described(loss)}, expected the loss, a scalar")
+            self._check_calls(calls)
+            unwrap_blocks(model, self.config.blocks, field="workload.blocks")
+            new_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return (new_params, nnx.to_pure_dict(nnx.state(optimizer))), loss
+
+        return train_step
+
+    def _marked(self, plan: RematPlan) -> Callable[[PyTree, PyTree], Any]:
+        """The loss with each unit's output tagged (:func:`mark_layer`), for the structure trace."""
+        loss = self.loss(plan, mark=True)
+        return lambda state, batch: loss(state[0], batch)
 
     def loss(self, plan: RematPlan, *, mark: bool = False) -> Callable[[PyTree, PyTree], jax.Array]:
         """The scalar loss: ``workload.model_loss(model, batch)`` on the wrapped model where
@@ -321,15 +387,18 @@ class NnxWorkload(Workload):
         batch = self.inputs_of.abstract_batch()
         plan = RematPlan.uniform("none", self.layers)
         try:
-            if c.model_loss is None:
+            if c.model_loss is None and c.train_step is None:
                 self.inputs_of.check_outputs(jax.eval_shape(functools.partial(self.forward, plan), params, batch))
-            jaxpr = jax.make_jaxpr(self.loss(plan, mark=True))(params, batch)
+            state = (params, jax.eval_shape(self.init_opt_state, params)) if c.train_step else (params, None)
+            jaxpr = jax.make_jaxpr(self.train_fn(plan, mark=True))(state, batch)
         except (WorkloadError, SpecError):
             raise
         except Exception as e:  # noqa: BLE001 - the user's model or loss fails to trace
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise WorkloadError(f"workload: {c.model!r} does not trace ({type(e).__name__}: {first})") from None
-        check_scalar(jaxpr, "workload.model_loss" if c.model_loss else "workload.loss")
+            first = first_line(e)
+            what = f"{c.train_step!r}" if c.train_step else f"{c.model!r}"
+            raise WorkloadError(f"workload: {what} does not trace ({type(e).__name__}: {first})") from None
+        if c.train_step is None:
+            check_scalar(jaxpr, "workload.model_loss" if c.model_loss else "workload.loss")
         try:
             runs = layer_runs(jaxpr)
         except ValueError as e:

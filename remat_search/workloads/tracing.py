@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-
 if TYPE_CHECKING:
     from remat_search.workloads.base import Workload
 

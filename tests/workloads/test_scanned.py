@@ -261,3 +261,95 @@ def test_readmes_flax_start_trains_the_model_with_the_answer(tmp_path: Path, mon
 
     assert isinstance(namespace["model"].blocks, Checkpointed)
     assert np.isfinite(float(namespace["train_step"](namespace["model"], namespace["optimizer"], namespace["tokens"])))
+
+
+def test_a_team_s_own_nnx_train_step_is_the_program_measured(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``own-train-step.yaml``: the step measured is ``image_classifier.train_step`` (its
+    label-smoothed loss, not a cross-entropy), its state an ``nnx.Optimizer`` of the spec's AdamW,
+    and the check reads the gradients from its first moment."""
+    from image_classifier import Classifier, cross_entropy, smoothed_cross_entropy
+
+    from remat_search.measure.executables import INPUT_SEED
+
+    path = _example(tmp_path, "own-train-step", trials=3)
+    result = cli("run", str(path))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    spec = yaml.safe_load(path.read_text())
+    trials = _measured(rs.load_report(spec["study"]))
+    assert len(trials) == 3
+    workload = build_workload(NnxConfig(**spec["workload"]))
+    (params, opt_state), batch = workload.inputs(INPUT_SEED)
+    assert int(opt_state["step"]) == 0 and "mu" in opt_state["opt_state"][0]  # the nnx.Optimizer's own variables
+    model = Classifier(**spec["workload"]["args"], rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    logits = model(batch["image"])
+    own, plain = float(smoothed_cross_entropy(logits, batch["label"])), float(cross_entropy(logits, batch))
+    assert abs(own - plain) > 1e-3 * abs(plain)  # the two losses tell apart
+    for trial in trials:
+        assert trial.measurement.first_loss == pytest.approx(own, rel=1e-5), trial.plan.summary()
+        assert "first moment ('mu')" in trial.measurement.grad_check.compared
+    shown = cli("show", "--study", spec["study"], "--trial", str(trials[0].number))
+    assert "the gradients, read from the optimizer's first moment ('mu')" in " ".join(shown.stdout.split())
+
+
+def test_a_team_s_own_linen_train_step_is_checked_on_its_state_s_change(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A ``TrainState`` step under plain SGD (no first moment): the step measured is
+    ``linen_scanned.train_step`` (cross-entropy plus a z-loss), the state carries the
+    ``TrainState``'s step, and ``show --trial`` says the check compared the state's change."""
+    from linen_scanned import train_step
+
+    from remat_search.measure.executables import INPUT_SEED
+
+    workload = {**LINEN, "train_step": "linen_scanned:train_step", "optimizer": {"factory": "optax.sgd",
+                                                                                 "args": {"learning_rate": 1e-2}}}
+    path = _example(tmp_path, "linen-scanned", study="linen-own-step", workload=workload, trials=2,
+                    space={"layout": "per_layer", "choices": ["none", "full"]})
+    result = cli("run", str(path))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    trials = _measured(rs.load_report("linen-own-step"))
+    assert {t.plan.summary() for t in trials} == {"none×4", "full×4"}  # both pass the check
+    built = build_workload(LinenConfig(**workload))
+    (params, rest), tokens = built.inputs(INPUT_SEED)
+    from flax.training.train_state import TrainState
+
+    _, own = train_step(TrainState(step=rest["step"], apply_fn=built.module.apply, params=params,
+                                   tx=optax.sgd(1e-2), opt_state=rest["opt_state"]), tokens)
+    plain = float(next_token_loss(built.module.apply({"params": params}, tokens), tokens))
+    assert abs(float(own) - plain) > 1e-6 * abs(plain)  # the z-loss is in it
+    for trial in trials:
+        assert trial.measurement.first_loss == pytest.approx(float(own), rel=1e-6)
+    shown = cli("show", "--study", "linen-own-step", "--trial", str(trials[0].number))
+    assert "the whole training state's change" in " ".join(shown.stdout.split())
+
+
+OWN_STEP_REFUSED: list[tuple[dict[str, Any], str]] = [
+    ({"train_step": "linen_scanned:nope"}, "workload.train_step: 'linen_scanned:nope'"),
+    ({"train_step": "tests.workloads.test_scanned:no_state_back"},
+     "workload.train_step: 'tests.workloads.test_scanned:no_state_back' returned a scalar, expected (state, loss)"),
+    ({"train_step": "linen_scanned:train_step", "loss": "tests.workloads.test_scanned:per_example"},
+     "train_step: a train step of your own computes its own loss"),
+]
+
+
+@pytest.mark.parametrize(("change", "line"), OWN_STEP_REFUSED, ids=["not importable", "returns no state", "with a loss"])
+def test_a_bad_own_train_step_is_one_line(cli, tmp_path: Path, change: dict[str, Any], line: str) -> None:  # type: ignore[no-untyped-def]
+    result = cli("run", str(_example(tmp_path, "linen-scanned", workload={**LINEN, **change})))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and line in result.stderr, result.stderr
+    assert not list(Path(tmp_path).glob("**/*.db")), "a database was written for bad input"
+
+
+def test_an_own_train_step_cannot_accumulate(tmp_path: Path, storage_url: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="configuration.global_batch: the workload's own train_step"):
+        rs.SearchSpec.model_validate(spec_dict(
+            storage_url, workload={**LINEN, "train_step": "linen_scanned:train_step"},
+            configuration={"batch": [2], "global_batch": 4}))
+
+
+def no_state_back(state: Any, tokens: Any) -> Any:
+    """A step that forgot to return its state."""
+    return state.apply_fn({"params": state.params}, tokens).mean()
